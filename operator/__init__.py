@@ -1,0 +1,1 @@
+"""tokenkeep's Kubernetes operator: ModelServer and SessionServer custom resources."""

@@ -1,0 +1,144 @@
+"""What the session core stores, and the interface every store implements.
+
+A session is a tree of turns. Each turn stores only what it added to the token stream:
+`prompt_delta` (the tokens between its parent's last sampled token and its own first
+sampled token) and `completion_ids` (what the engine sampled). A turn that starts a new
+segment (`segment_start`) stores its whole prompt as `prompt_delta`. The token prompt of any
+turn is therefore the concatenation, from the nearest segment start down to the turn, of
+`prompt_delta + completion_ids` of each ancestor, then its own `prompt_delta`. Storage grows
+with total tokens, never with turns x history.
+
+Lookup keys are opaque strings computed by the core (`session_server.conversation`):
+- a *reply key* names the conversation up to and including a turn's reply;
+- an *input key* names the conversation a turn was sampled from (retry detection).
+The first turn stored under a key keeps it (`HSETNX` semantics).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+@dataclass(slots=True)
+class TurnRecord:
+    """One sampled completion and the prompt tokens it added."""
+
+    turn_id: int
+    """Allocated by the store at append time: 1, 2, 3... per session. 0 before that."""
+    parent_id: int | None
+    """The turn this one continues in the turn tree (None for a root)."""
+    segment_start: bool
+    """True when `prompt_delta` is a whole prompt rather than an extension of the parent."""
+    kind: str
+    """first | extend | fork | retry | rewrite."""
+    break_reason: str | None
+    """Why a new segment started (None unless `segment_start` and not the session's first)."""
+    prompt_delta: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    """One per completion token: the sampled token's logprob (NaN if the engine gave none)."""
+    finish_reason: str
+    stop_reason: int | str | None = None
+    n_messages: int = 0
+    """How many request messages this turn's input had (its reply is message n_messages)."""
+    created_at: float = field(default_factory=time.time)
+    api: str = "chat"
+    """Which front-end produced the turn: chat | responses | messages | completions."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Small JSON-serialisable facts: timings, response id, normalisation notes."""
+
+
+@dataclass(slots=True)
+class SessionMeta:
+    session_id: str
+    created_at: float
+    ttl_seconds: int | None
+    sampling_overrides: dict[str, Any] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+    normalization: list[dict[str, Any]] = field(default_factory=list)
+    """Volatile-prompt rules (see session_server.conversation); empty = off."""
+
+
+@dataclass(slots=True)
+class LookupResult:
+    """What one lookup round trip found."""
+
+    parent_path: list[TurnRecord]
+    """Root-to-turn records of the deepest turn whose reply key was among the reply keys
+    asked for, or [] if none matched. Contains every record on the path (older segments
+    too), in root-first order."""
+    matched_key_index: int | None
+    """Position, in the reply keys asked for, of the key that matched (None if none)."""
+    retry_of: TurnRecord | None
+    """The first turn stored under the input key asked for, if any."""
+    retry_path: list[TurnRecord] = field(default_factory=list)
+    """Root-to-turn records of `retry_of`'s parent ([] if it is a root or retry_of is None)."""
+    turn_count: int = 0
+    """How many turns the session holds."""
+
+
+@dataclass(slots=True)
+class SessionCounters:
+    turns: int
+    segments: int
+    breaks: dict[str, int]
+    tokens: int
+
+
+class SessionNotFound(KeyError):
+    pass
+
+
+class SessionExists(ValueError):
+    pass
+
+
+class SessionStore(Protocol):
+    """Storage of sessions and their turn trees. All methods are atomic per call."""
+
+    async def create_session(self, meta: SessionMeta) -> SessionMeta:
+        """Create; raises SessionExists if the id is taken."""
+        ...
+
+    async def get_session(self, session_id: str) -> SessionMeta | None: ...
+
+    async def delete_session(self, session_id: str) -> bool:
+        """Remove the session and all its turns; False if it did not exist."""
+        ...
+
+    async def lookup(
+        self, session_id: str, reply_keys: list[str], input_key: str | None
+    ) -> LookupResult:
+        """One round trip: the deepest (highest-index) reply key that is stored, with its
+        whole root-to-turn path, and the turn stored under `input_key`, with its parent's
+        path. Raises SessionNotFound if the session does not exist."""
+        ...
+
+    async def append_turns(
+        self, session_id: str, turns: list[TurnRecord], keys: list[list[str]]
+    ) -> list[int]:
+        """Atomically store `turns` (the sibling choices of one request), allocate their
+        ids, index turn `i` under every key in `keys[i]` (reply key, input key, response
+        id...; a key already stored keeps its first turn), refresh the session's TTL and
+        update its counters. Returns the allocated ids in order. Either everything is stored
+        or nothing is. Raises SessionNotFound if the session is gone."""
+        ...
+
+    async def resolve_key(self, session_id: str, key: str) -> int | None:
+        """The turn id stored under `key` (e.g. a Responses API response id), if any."""
+        ...
+
+    async def all_turns(self, session_id: str) -> list[TurnRecord]:
+        """Every turn of the session, ordered by turn id (for export and summaries)."""
+        ...
+
+    async def get_turns(self, session_id: str, turn_ids: list[int]) -> list[TurnRecord | None]:
+        ...
+
+    async def counters(self, session_id: str) -> SessionCounters: ...
+
+    async def ping(self) -> bool: ...
+
+    async def close(self) -> None: ...
