@@ -1,0 +1,233 @@
+"""The internal conversation every API front-end translates into, and its fingerprints.
+
+Front-ends (Chat Completions, Responses, Messages) parse their wire format into a
+`Conversation`; the session core never sees wire formats. Fingerprints decide whether a
+request continues a stored turn: they keep what changes the model's view of the history
+(roles, text, tool names and arguments) and drop what harnesses rewrite without meaning to
+(surrounding whitespace, `None` vs `""` content, JSON spacing and key order, reasoning that
+templates strip from earlier turns, tool-call ids that harnesses regenerate).
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Role = Literal["system", "user", "assistant", "tool"]
+ROLES: frozenset[str] = frozenset({"system", "user", "assistant", "tool"})
+
+
+@dataclass(slots=True, frozen=True)
+class ToolCall:
+    id: str
+    name: str
+    arguments: str
+    """The arguments as JSON text, exactly as the client sent them or as sampled."""
+
+
+@dataclass(slots=True)
+class Message:
+    role: Role
+    content: str = ""
+    reasoning: str | None = None
+    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_call_id: str | None = None
+    name: str | None = None
+    prompt_token_ids: list[int] | None = None
+    """Token-aware clients: the prompt this assistant message was sampled from."""
+    generation_token_ids: list[int] | None = None
+    """Token-aware clients: the tokens sampled for this assistant message."""
+
+
+@dataclass(slots=True, frozen=True)
+class Tool:
+    name: str
+    description: str = ""
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+    def as_openai(self) -> dict[str, Any]:
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": self.parameters,
+            },
+        }
+
+
+@dataclass(slots=True)
+class Conversation:
+    """One request, as the session core sees it, whatever API it came through."""
+
+    messages: list[Message]
+    tools: list[Tool] = field(default_factory=list)
+    tool_choice: str | dict[str, Any] | None = None
+    """"auto" | "none" | "required" | {"name": ...} (a forced function)."""
+    sampling: dict[str, Any] = field(default_factory=dict)
+    """Sampling parameters the harness set explicitly, under vLLM's names
+    (temperature, top_p, top_k, min_p, max_tokens, seed, stop, presence_penalty, ...)."""
+    n: int = 1
+    logprobs: bool = False
+    top_logprobs: int = 0
+    response_format: dict[str, Any] | None = None
+    """vLLM structured-output constraint (`{"json": schema}`, `{"regex": ...}`...)."""
+    stream: bool = False
+    api: str = "chat"
+    model: str | None = None
+    required_prefix_token_ids: list[int] | None = None
+    """Token-aware clients: the exact token prefix the prompt must start with."""
+    previous_response_id: str | None = None
+    """Responses API: `messages` are only the new items after that response's turn."""
+
+
+class ConversationError(ValueError):
+    """A request the core cannot accept (maps to HTTP 400 in every front-end)."""
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def validate(conversation: Conversation) -> None:
+    if not conversation.messages:
+        raise ConversationError("messages must not be empty", param="messages")
+    for i, message in enumerate(conversation.messages):
+        if message.role not in ROLES:
+            raise ConversationError(f"unknown role {message.role!r}", param=f"messages[{i}]")
+    if conversation.n < 1 or conversation.n > 128:
+        raise ConversationError("n must be between 1 and 128", param="n")
+
+
+# --- canonical forms -------------------------------------------------------------------
+
+
+def canonical_text(text: str | None, rules: list[re.Pattern[str]] | None = None) -> str:
+    """Text as the fingerprint sees it: volatile parts removed, line endings unified,
+    surrounding whitespace dropped (templates `| trim` it and harnesses strip it)."""
+    if not text:
+        return ""
+    if rules:
+        for rule in rules:
+            text = rule.sub("", text)
+    return text.replace("\r\n", "\n").strip()
+
+
+def _normalise_json_value(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        return int(value)
+    if isinstance(value, dict):
+        return {str(k): _normalise_json_value(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_normalise_json_value(v) for v in value]
+    return value
+
+
+def parse_arguments(arguments: str | dict[str, Any] | None) -> Any:
+    """Tool-call arguments as a value: JSON first, then a Python literal (harnesses that
+    round-trip arguments through `str(dict)` send `{'a': False}`), else the raw text."""
+    if arguments is None:
+        return {}
+    if not isinstance(arguments, str):
+        return _normalise_json_value(arguments)
+    text = arguments.strip()
+    if not text:
+        return {}
+    try:
+        return _normalise_json_value(json.loads(text))
+    except ValueError:
+        pass
+    try:
+        return _normalise_json_value(ast.literal_eval(text))
+    except (ValueError, SyntaxError, MemoryError, RecursionError):
+        return text
+
+
+def canonical_arguments(arguments: str | dict[str, Any] | None) -> str:
+    value = parse_arguments(arguments)
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def message_fingerprint(message: Message, rules: list[re.Pattern[str]] | None = None) -> bytes:
+    """What must be equal for two messages to be the same turn of history."""
+    parts: list[str] = [message.role, canonical_text(message.content, rules)]
+    if message.role == "assistant":
+        # Reasoning is ignored: templates drop it from earlier turns, and the stored tokens
+        # hold what was really sampled anyway.
+        for call in message.tool_calls:
+            parts.append(call.name)
+            parts.append(canonical_arguments(call.arguments))
+    return "\x1f".join(parts).encode("utf-8", "surrogatepass")
+
+
+def tools_fingerprint(tools: list[Tool]) -> bytes:
+    canonical = sorted(
+        json.dumps(
+            {"n": t.name, "d": t.description.strip(), "p": _normalise_json_value(t.parameters)},
+            sort_keys=True,
+            separators=(",", ":"),
+            ensure_ascii=False,
+        )
+        for t in tools
+    )
+    return "\x1e".join(canonical).encode("utf-8", "surrogatepass")
+
+
+def _chain(previous: bytes, fingerprint: bytes) -> bytes:
+    return hashlib.blake2b(previous + b"\x1d" + fingerprint, digest_size=12).digest()
+
+
+@dataclass(slots=True)
+class Lineage:
+    """Running hashes over a request's messages: `keys[j]` names messages[0..j]."""
+
+    keys: list[str]
+    """One key per message, for messages[0..j] inclusive."""
+    assistant_positions: list[int]
+    """Indices j where messages[j] is an assistant message (where a stored turn can end)."""
+    _last: bytes
+
+    @property
+    def input_key(self) -> str:
+        return "i:" + self._last.hex()
+
+    def reply_key(self, reply: Message, rules: list[re.Pattern[str]] | None = None) -> str:
+        """The key of this conversation continued by `reply`."""
+        return "r:" + _chain(self._last, message_fingerprint(reply, rules)).hex()
+
+    def reply_keys_for_lookup(self) -> list[str]:
+        """Keys of every prefix that ends at an assistant message, shallowest first."""
+        return ["r:" + self.keys[j] for j in self.assistant_positions]
+
+
+def lineage(conversation: Conversation, rules: list[re.Pattern[str]] | None = None) -> Lineage:
+    """O(messages): one hash per message."""
+    state = hashlib.blake2b(tools_fingerprint(conversation.tools), digest_size=12).digest()
+    keys: list[str] = []
+    assistant_positions: list[int] = []
+    for j, message in enumerate(conversation.messages):
+        state = _chain(state, message_fingerprint(message, rules))
+        keys.append(state.hex())
+        if message.role == "assistant":
+            assistant_positions.append(j)
+    return Lineage(keys=keys, assistant_positions=assistant_positions, _last=state)
+
+
+def compile_rules(rules: list[dict[str, Any]]) -> list[re.Pattern[str]]:
+    """Session normalisation rules (`{"pattern": regex}`) to compiled patterns."""
+    compiled: list[re.Pattern[str]] = []
+    for i, rule in enumerate(rules):
+        pattern = rule.get("pattern") if isinstance(rule, dict) else None
+        if not isinstance(pattern, str):
+            raise ConversationError("normalization rules need a 'pattern' string", param=str(i))
+        try:
+            compiled.append(re.compile(pattern, re.MULTILINE))
+        except re.error as exc:
+            raise ConversationError(f"bad normalization pattern: {exc}", param=str(i)) from exc
+    return compiled
