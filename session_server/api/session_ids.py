@@ -1,0 +1,51 @@
+"""Where a request's session id comes from, for every front-end.
+
+`/sessions/{session_id}/...` carries it in the path. The same endpoints at `/v1/...` take it
+from an `X-Session-ID` header, or from an API key of the form `tk-<session_id>` (every
+harness lets its user set an API key: OpenAI clients send `Authorization: Bearer`, Anthropic
+clients send `x-api-key`).
+"""
+
+from __future__ import annotations
+
+import re
+
+from fastapi import Request
+
+SESSION_ID_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+API_KEY_PREFIX = "tk-"
+
+
+class InvalidSessionId(ValueError):
+    """Maps to HTTP 400 in the API's own error shape."""
+
+
+class MissingSessionId(ValueError):
+    """Maps to HTTP 400: a `/v1/...` request that names no session."""
+
+
+def check_session_id(session_id: str) -> str:
+    if not SESSION_ID_PATTERN.fullmatch(session_id):
+        raise InvalidSessionId(
+            "session ids are 1-128 characters of [A-Za-z0-9._-], got " + repr(session_id[:140])
+        )
+    return session_id
+
+
+def session_id_from_headers(request: Request) -> str:
+    header = request.headers.get("x-session-id")
+    if header:
+        return check_session_id(header.strip())
+    for key in (request.headers.get("x-api-key"), _bearer(request.headers.get("authorization"))):
+        if key and key.startswith(API_KEY_PREFIX):
+            return check_session_id(key[len(API_KEY_PREFIX) :])
+    raise MissingSessionId(
+        "no session: use /sessions/{id}/v1 as the base URL, send an X-Session-ID header, "
+        "or use the API key tk-<session id>"
+    )
+
+
+def _bearer(value: str | None) -> str | None:
+    if value and value[:7].lower() == "bearer ":
+        return value[7:].strip()
+    return None
