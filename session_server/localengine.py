@@ -186,8 +186,9 @@ def install(progress: Progress = _print_progress) -> Path:
                 python,
                 "-P",
                 "-c",
-                "import json, torch, transformers, vllm; print(json.dumps({'vllm': vllm.__version__,"
-                " 'torch': torch.__version__, 'transformers': transformers.__version__}))",
+                "import json, torch, transformers, vllm; print(json.dumps({"
+                "'vllm': vllm.__version__, 'torch': torch.__version__,"
+                " 'transformers': transformers.__version__}))",
             ],
             capture_output=True,
             text=True,
