@@ -179,7 +179,9 @@ class EngineDouble:
             return [r.path for r in self.requests]
 
     def start(self) -> EngineDouble:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # proto=IPPROTO_TCP: asyncio only sets TCP_NODELAY on such sockets; without it every
+        # JSON answer waits ~40 ms for a delayed ACK (Nagle).
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(("127.0.0.1", self.port))  # port 0 first time; the same port on restart
         self.port = sock.getsockname()[1]
@@ -237,6 +239,22 @@ class EngineDouble:
                         "root": self.model,
                         "parent": None,
                         "max_model_len": self.max_model_len,
+                        "permission": [
+                            {
+                                "id": _request_id("modelperm-"),
+                                "object": "model_permission",
+                                "created": int(time.time()),
+                                "allow_create_engine": False,
+                                "allow_sampling": True,
+                                "allow_logprobs": True,
+                                "allow_search_indices": False,
+                                "allow_view": True,
+                                "allow_fine_tuning": False,
+                                "organization": "*",
+                                "group": None,
+                                "is_blocking": False,
+                            }
+                        ],
                     }
                 ],
             }
@@ -289,12 +307,18 @@ class EngineDouble:
             return self._schema_error("token_ids must not contain negative values"), None
         max_tokens = sampling.get("max_tokens")
         if max_tokens is not None and max_tokens < 1:
-            message = f"max_tokens must be at least 1, got {max_tokens}."
+            message = (
+                f"max_tokens must be at least 1, got {max_tokens}. "
+                f"(parameter=max_tokens, value={max_tokens})"
+            )
             return JSONResponse(
                 _error_body(message, "BadRequestError", 400, "max_tokens"), status_code=400
             ), None
         if (temperature := sampling.get("temperature")) is not None and temperature < 0:
-            message = f"temperature must be non-negative, got {float(temperature)}."
+            message = (
+                f"temperature must be non-negative, got {float(temperature)}. "
+                f"(parameter=temperature, value={float(temperature)})"
+            )
             return JSONResponse(
                 _error_body(message, "BadRequestError", 400, "temperature"), status_code=400
             ), None
