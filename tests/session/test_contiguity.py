@@ -108,6 +108,6 @@ def test_trajectory_is_one_contiguous_segment_with_loss_mask(stack: Stack) -> No
     assert mask[p1 + s1] == 0  # the synthesized close of the truncated turn
     assert sum(mask) == s1 + len(second_completion)
     logprobs = segment["logprobs"]
-    assert all(lp is None for lp, m in zip(logprobs, mask) if m == 0)
-    assert all(isinstance(lp, float) for lp, m in zip(logprobs, mask) if m == 1)
+    assert all(lp is None for lp, m in zip(logprobs, mask, strict=True) if m == 0)
+    assert all(isinstance(lp, float) for lp, m in zip(logprobs, mask, strict=True) if m == 1)
     assert [t["finish_reason"] for t in segment["turns"]] == ["length", "stop"]
