@@ -1,0 +1,278 @@
+"""Which earlier turn a request continues: retries, forks, n > 1, streaming, rewrites."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import openai
+
+from session_server.conversation import Message
+from tests.engine_double import ScriptedCompletion
+from tests.session.adversarial import TOOLS, reply_as_harness_sends, tokens
+from tests.session.conftest import Stack
+
+USER = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _say(stack: Stack, *pieces: Any) -> list[int]:
+    ids = tokens(stack.model, *pieces, "<|im_end|>")
+    stack.double.script(ScriptedCompletion(ids))
+    return ids
+
+
+def _summary(stack: Stack, session_id: str) -> dict[str, Any]:
+    with stack.http() as client:
+        return client.get(f"/sessions/{session_id}").json()
+
+
+def test_retry_is_a_sibling_with_the_same_prompt(stack: Stack) -> None:
+    client = stack.openai("retry")
+    _say(stack, "Sun", "ny.")
+    first = client.chat.completions.create(model="m", messages=USER)
+    _say(stack, "Rain", "y.")
+    again = client.chat.completions.create(model="m", messages=USER)
+    assert again.model_extra["tokenkeep"]["kind"] == "retry"
+    p1, p2 = stack.prompts()
+    assert p1 == p2
+    summary = _summary(stack, "retry")
+    assert summary["turns"] == 2 and summary["branches"] == 2 and summary["breaks"] == {}
+    assert first.choices[0].message.content == "Sunny."
+
+
+def test_n2_each_choice_is_a_turn_and_either_can_be_continued(stack: Stack) -> None:
+    client = stack.openai("n2")
+    a = tokens(stack.model, "Option", " A", "<|im_end|>")
+    b = tokens(stack.model, "Opt", "ion B", "<|im_end|>")
+    stack.double.script(ScriptedCompletion(a), ScriptedCompletion(b))
+    both = client.chat.completions.create(model="m", messages=USER, n=2)
+    assert [c.token_ids for c in both.choices] == [a, b]
+    _say(stack, "OK")
+    chosen = reply_as_harness_sends(both.choices[1].message)
+    follow = client.chat.completions.create(
+        model="m", messages=[*USER, chosen, {"role": "user", "content": "Why?"}]
+    )
+    assert follow.model_extra["tokenkeep"]["kind"] == "extend"
+    p1, p2 = stack.prompts()
+    assert p2[: len(p1) + len(b)] == p1 + b
+    trajectory = stack.trajectory("n2")
+    assert len(trajectory["branches"]) == 2
+    kept = next(br for br in trajectory["branches"] if len(br["segments"][0]["turns"]) == 2)
+    assert kept["segments"][0]["token_ids"][: len(p1) + len(b)] == p1 + b
+
+
+def test_fork_continues_an_inner_turn(stack: Stack) -> None:
+    client = stack.openai("fork")
+    call = _say(
+        stack,
+        "<tool_call>",
+        "\n",
+        '{"name":"get_weather","arguments":{"city":"Paris"}}',
+        "\n",
+        "</tool_call>",
+    )
+    first = client.chat.completions.create(model="m", messages=USER, tools=TOOLS)
+    reply = reply_as_harness_sends(first.choices[0].message)
+    call_id = first.choices[0].message.tool_calls[0].id
+    for result in ('{"temp_c": 21}', '{"error": "timeout"}'):
+        _say(stack, "Done")
+        client.chat.completions.create(
+            model="m",
+            tools=TOOLS,
+            messages=[*USER, reply, {"role": "tool", "tool_call_id": call_id, "content": result}],
+        )
+    kinds = [
+        t["kind"] for br in stack.trajectory("fork")["branches"] for t in br["segments"][0]["turns"]
+    ]
+    assert kinds.count("fork") == 1 and kinds.count("extend") == 1
+    p1, p2, p3 = stack.prompts()
+    assert p2[: len(p1) + len(call)] == p1 + call
+    assert p3[: len(p1) + len(call)] == p1 + call
+    assert p2 != p3
+
+
+def test_edited_history_starts_a_new_segment_with_its_reason(stack: Stack) -> None:
+    client = stack.openai("rewrite")
+    _say(stack, "Sunny")
+    first = client.chat.completions.create(model="m", messages=USER)
+    _say(stack, "Fine")
+    compacted = [{"role": "user", "content": "Summary of earlier chat: it was sunny. Now?"}]
+    second = client.chat.completions.create(model="m", messages=compacted)
+    assert second.model_extra["tokenkeep"] == {
+        "kind": "rewrite",
+        "break_reason": "history_mismatch",
+        "turn_ids": [2],
+    }
+    _say(stack, "Again")
+    edited = {"role": "assistant", "content": "Cloudy (edited by the harness)"}
+    third = client.chat.completions.create(
+        model="m", messages=[*USER, edited, {"role": "user", "content": "Sure?"}]
+    )
+    assert third.model_extra["tokenkeep"]["break_reason"] == "history_mismatch"
+    _say(stack, "Yes")
+    injected = client.chat.completions.create(
+        model="m",
+        messages=[
+            *USER,
+            reply_as_harness_sends(first.choices[0].message),
+            {"role": "user", "content": "Sure?"},
+            {"role": "assistant", "content": "Let me think (written by the harness)."},
+            {"role": "user", "content": "Go on"},
+        ],
+    )
+    assert injected.model_extra["tokenkeep"]["break_reason"] == "assistant_message_not_sampled"
+    summary = _summary(stack, "rewrite")
+    assert summary["breaks"] == {"history_mismatch": 2, "assistant_message_not_sampled": 1}
+    assert summary["segments"] == 4
+    with stack.http() as http:
+        metrics = http.get("/metrics").text
+    assert 'tokenkeep_segment_breaks_total{reason="history_mismatch"}' in metrics
+    trajectory = stack.trajectory("rewrite")
+    reasons = sorted(s["start_reason"] for br in trajectory["branches"] for s in br["segments"])
+    # t1 -> t4 (new segment), t2 and t3 are roots of their own
+    assert reasons == [
+        "assistant_message_not_sampled",
+        "first",
+        "history_mismatch",
+        "history_mismatch",
+    ]
+
+
+def test_streaming_reasoning_content_and_tool_calls(stack: Stack) -> None:
+    client = stack.openai("stream")
+    sampled = _say(
+        stack,
+        "<think>",
+        "\nNeed ",
+        "weather.\n",
+        "</think>",
+        "\n\n",
+        "Check",
+        "ing.",
+        "\n",
+        "<tool_call>",
+        "\n",
+        '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+        "\n",
+        "</tool_call>",
+    )
+    stream = client.chat.completions.create(
+        model="m",
+        messages=USER,
+        tools=TOOLS,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    content = reasoning = ""
+    calls: dict[int, dict[str, str]] = {}
+    streamed_tokens: list[int] = []
+    finish = usage = None
+    for chunk in stream:
+        if chunk.usage:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            delta = choice.delta
+            content += delta.content or ""
+            reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+            streamed_tokens += (choice.model_extra or {}).get("token_ids") or []
+            for call in delta.tool_calls or []:
+                entry = calls.setdefault(call.index, {"name": "", "arguments": "", "id": ""})
+                entry["id"] = call.id or entry["id"]
+                entry["name"] += call.function.name or ""
+                entry["arguments"] += call.function.arguments or ""
+            finish = choice.finish_reason or finish
+    assert streamed_tokens == sampled
+    assert reasoning.strip() == "Need weather."
+    assert content.strip() == "Checking."
+    assert finish == "tool_calls"
+    assert [c["name"] for c in calls.values()] == ["get_weather"]
+    assert usage is not None and usage.completion_tokens == len(sampled)
+    _say(stack, "Warm")
+    client.chat.completions.create(
+        model="m",
+        tools=TOOLS,
+        messages=[
+            *USER,
+            {
+                "role": "assistant",
+                "content": content,
+                "tool_calls": [
+                    {
+                        "id": c["id"],
+                        "type": "function",
+                        "function": {"name": c["name"], "arguments": c["arguments"]},
+                    }
+                    for c in calls.values()
+                ],
+            },
+            {"role": "tool", "tool_call_id": calls[0]["id"], "content": "21C"},
+        ],
+    )
+    p1, p2 = stack.prompts()
+    assert p2[: len(p1) + len(sampled)] == p1 + sampled
+
+
+def test_session_from_header_or_api_key(stack: Stack) -> None:
+    _say(stack, "One")
+    _say(stack, "Two")
+    by_header = openai.OpenAI(
+        base_url=f"{stack.url}/v1",
+        api_key="x",
+        max_retries=0,
+        default_headers={"X-Session-ID": "hdr"},
+    )
+    by_key = openai.OpenAI(base_url=f"{stack.url}/v1", api_key="tk-hdr", max_retries=0)
+    first = by_header.chat.completions.create(model="m", messages=USER)
+    second = by_key.chat.completions.create(
+        model="m",
+        messages=[
+            *USER,
+            reply_as_harness_sends(first.choices[0].message),
+            {"role": "user", "content": "More"},
+        ],
+    )
+    assert second.model_extra["tokenkeep"]["kind"] == "extend"
+    assert _summary(stack, "hdr")["turns"] == 2
+    models = by_key.models.list()
+    assert [m.id for m in models.data] == [stack.double.model]
+
+
+def test_session_overrides_win_and_every_sampling_parameter_is_explicit(stack: Stack) -> None:
+    with stack.http() as http:
+        created = http.post("/sessions", json={"id": "ovr", "sampling": {"temperature": 0.25}})
+        assert created.status_code == 201
+        assert created.json()["openai_base_url"].endswith("/sessions/ovr/v1")
+    _say(stack, "x")
+    stack.openai("ovr").chat.completions.create(
+        model="m", messages=USER, temperature=1.3, max_tokens=10_000_000, seed=7
+    )
+    sampling = stack.double.requests[-1].sampling
+    assert sampling["temperature"] == 0.25
+    assert sampling["seed"] == 7
+    for key in ("top_p", "top_k", "min_p", "max_tokens", "stop_token_ids"):
+        assert key in sampling
+    assert sampling["max_tokens"] == stack.double.max_model_len - len(stack.prompts()[-1])
+
+
+def test_jsonl_export_and_delete(stack: Stack) -> None:
+    _say(stack, "Hi")
+    stack.openai("jsonl").chat.completions.create(model="m", messages=USER)
+    with stack.http() as http:
+        lines = http.get("/sessions/jsonl/trajectory", params={"format": "jsonl"}).text
+        assert len(lines.strip().splitlines()) == 1
+        assert http.delete("/sessions/jsonl").status_code == 204
+        assert http.get("/sessions/jsonl").status_code == 404
+        assert http.delete("/sessions/jsonl").status_code == 404
+
+
+def test_tokenize_and_detokenize_match_the_served_template(stack: Stack) -> None:
+    with httpx.Client(base_url=stack.url) as http:
+        rendered = http.post("/tokenize", json={"messages": USER}).json()
+        assert rendered["tokens"] == stack.model.render_prompt(
+            [Message("user", USER[0]["content"])],
+            [],
+        )
+        text = http.post("/detokenize", json={"tokens": rendered["tokens"]}).json()["prompt"]
+        assert text.endswith("<|im_start|>assistant\n")
+        bad = http.post("/detokenize", json={"tokens": [10**9]})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
