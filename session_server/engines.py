@@ -102,6 +102,15 @@ class _Retryable(Exception):
         self.mark_down = mark_down
 
 
+@dataclass(slots=True, frozen=True)
+class _Call:
+    session_id: str
+    prompt_ids: list[int]
+    sampling: dict[str, Any]
+    reasoning_ended: bool | None
+    stream: bool
+
+
 class Protocol(Enum):
     GENERATE = "generate"
     COMPLETIONS = "completions"
@@ -258,69 +267,117 @@ class EngineClient:
 
     # --- requests -------------------------------------------------------------------------
 
-    def _request(
+    async def generate(
         self,
-        replica: Replica,
         session_id: str,
         prompt_ids: list[int],
         sampling: dict[str, Any],
-        stream: bool,
-    ) -> tuple[str, dict[str, Any]]:
-        request_id = f"{session_id}-{uuid.uuid4().hex[:16]}"
-        params = dict(sampling)
-        if params.get("logprobs") is None:
-            params["logprobs"] = 0  # the sampled token's logprob, no alternatives
-        if replica.protocol is Protocol.GENERATE:
-            return GENERATE_PATH, {
-                "request_id": request_id,
-                "model": self.model,
-                "token_ids": prompt_ids,
-                "sampling_params": params,
-                "return_token_ids": True,
-                "stream": stream,
-            }
-        return COMPLETIONS_PATH, {
-            **params,
-            "request_id": request_id,
-            "model": self.model,
-            "prompt": prompt_ids,
-            "return_token_ids": True,
-            "stream": stream,
-        }
-
-    async def generate(
-        self, session_id: str, prompt_ids: list[int], sampling: dict[str, Any]
+        *,
+        reasoning_ended: bool | None = None,
     ) -> Generation:
+        """One whole generation. `sampling` is vLLM's SamplingParams as a dict, sent as is
+        (plus `logprobs: 0` unless set): the caller sends every parameter it means, since
+        /generate applies none of the model's generation_config defaults. `reasoning_ended`
+        (token endpoint only) makes structured outputs apply from the first token under a
+        reasoning parser."""
+        call = _Call(session_id, prompt_ids, sampling, reasoning_ended, stream=False)
         started = time.perf_counter()
         last_error: EngineError | None = None
         for replica in self.order_for(session_id):
             try:
-                generation = await self._generate_on(replica, session_id, prompt_ids, sampling)
+                generation = await self._generate_on(replica, call)
             except _Retryable as failure:
-                last_error = failure.error
-                if failure.mark_down:
-                    self._mark_down(replica, failure.error.message)
-                logger.warning("engine %s failed, trying next: %s", replica.url, failure.error)
+                last_error = self._note_failure(replica, failure)
                 continue
             generation.latency_s = time.perf_counter() - started
             return generation
         assert last_error is not None
         raise last_error
 
-    async def _post(
+    async def stream(
         self,
-        replica: Replica,
         session_id: str,
         prompt_ids: list[int],
         sampling: dict[str, Any],
-        stream: bool,
-    ) -> httpx.Response:
-        """Send the request (stream=True: headers only) and settle the endpoint question:
+        *,
+        reasoning_ended: bool | None = None,
+    ) -> AsyncIterator[StreamEvent]:
+        """Yields one `StreamStart`, then `GenerationDelta`s as the engine samples. Failures
+        before the first chunk move to the next replica; after it they raise `EngineError`.
+        Closing the iterator early closes the connection, which makes vLLM abort the request."""
+        call = _Call(session_id, prompt_ids, sampling, reasoning_ended, stream=True)
+        last_error: EngineError | None = None
+        for replica in self.order_for(session_id):
+            try:
+                response = await self._post(replica, call)
+            except _Retryable as failure:
+                last_error = self._note_failure(replica, failure)
+                continue
+            parse = (
+                _deltas_from_generate_chunk
+                if replica.protocol is Protocol.GENERATE
+                else _deltas_from_completions_chunk
+            )
+            started = False
+            try:
+                async for chunk in _sse_payloads(response, replica.url):
+                    prompt_ids_seen, deltas = parse(chunk)
+                    if not started:
+                        started = True
+                        yield StreamStart(replica.url, prompt_ids_seen)
+                    for delta in deltas:
+                        yield delta
+                return
+            except _Retryable as failure:
+                if started:
+                    raise failure.error from failure
+                last_error = self._note_failure(replica, failure)
+            finally:
+                await response.aclose()
+        assert last_error is not None
+        raise last_error
+
+    def _note_failure(self, replica: Replica, failure: _Retryable) -> EngineError:
+        if failure.mark_down:
+            self._mark_down(replica, failure.error.message)
+        logger.warning(
+            "engine %s failed before any token, trying next: %s", replica.url, failure.error
+        )
+        return failure.error
+
+    def _body(self, replica: Replica, call: _Call) -> tuple[str, dict[str, Any]]:
+        request_id = f"{call.session_id}-{uuid.uuid4().hex[:16]}"
+        params = dict(call.sampling)
+        if params.get("logprobs") is None:
+            params["logprobs"] = 0  # the sampled token's logprob, no alternatives
+        if replica.protocol is Protocol.GENERATE:
+            body = {
+                "request_id": request_id,
+                "model": self.model,
+                "token_ids": call.prompt_ids,
+                "sampling_params": params,
+                "return_token_ids": True,
+                "stream": call.stream,
+            }
+            if call.reasoning_ended is not None:
+                body["reasoning_ended"] = call.reasoning_ended
+            return GENERATE_PATH, body
+        return COMPLETIONS_PATH, {
+            **params,
+            "request_id": request_id,
+            "model": self.model,
+            "prompt": call.prompt_ids,
+            "return_token_ids": True,
+            "stream": call.stream,
+        }
+
+    async def _post(self, replica: Replica, call: _Call) -> httpx.Response:
+        """Send the request (the body is read by the caller) and settle the endpoint question:
         a replica without the token endpoint is switched to the completions fallback."""
         while True:
-            path, body = self._request(replica, session_id, prompt_ids, sampling, stream)
+            path, body = self._body(replica, call)
             request = self._http.build_request(
-                "POST", replica.url + path, json=body, headers={SESSION_HEADER: session_id}
+                "POST", replica.url + path, json=body, headers={SESSION_HEADER: call.session_id}
             )
             try:
                 response = await self._http.send(request, stream=True)
@@ -358,10 +415,8 @@ class EngineClient:
                 raise _Retryable(error, mark_down=response.status_code == 503)
             raise error
 
-    async def _generate_on(
-        self, replica: Replica, session_id: str, prompt_ids: list[int], sampling: dict[str, Any]
-    ) -> Generation:
-        response = await self._post(replica, session_id, prompt_ids, sampling, stream=False)
+    async def _generate_on(self, replica: Replica, call: _Call) -> Generation:
+        response = await self._post(replica, call)
         try:
             body = await response.aread()
         except httpx.TimeoutException as exc:
@@ -385,51 +440,6 @@ class EngineClient:
         if replica.protocol is Protocol.GENERATE:
             return _parse_generate(payload, replica.url)
         return _parse_completions(payload, replica.url)
-
-    async def stream(
-        self, session_id: str, prompt_ids: list[int], sampling: dict[str, Any]
-    ) -> AsyncIterator[StreamEvent]:
-        """Yields one `StreamStart`, then `GenerationDelta`s as the engine samples. Failures
-        before the first chunk move to the next replica; after it they raise `EngineError`.
-        Closing the iterator early closes the connection, which makes vLLM abort the request."""
-        last_error: EngineError | None = None
-        for replica in self.order_for(session_id):
-            try:
-                response = await self._post(replica, session_id, prompt_ids, sampling, True)
-            except _Retryable as failure:
-                last_error = failure.error
-                if failure.mark_down:
-                    self._mark_down(replica, failure.error.message)
-                logger.warning("engine %s failed, trying next: %s", replica.url, failure.error)
-                continue
-            parse = (
-                _deltas_from_generate_chunk
-                if replica.protocol is Protocol.GENERATE
-                else _deltas_from_completions_chunk
-            )
-            started = False
-            try:
-                async for chunk in _sse_payloads(response, replica.url):
-                    prompt_ids_seen, deltas = parse(chunk)
-                    if not started:
-                        started = True
-                        yield StreamStart(replica.url, prompt_ids_seen)
-                    for delta in deltas:
-                        yield delta
-                return
-            except _Retryable as failure:
-                if started:
-                    raise failure.error from failure
-                last_error = failure.error
-                logger.warning(
-                    "engine %s failed before the first token, trying next: %s",
-                    replica.url,
-                    failure.error,
-                )
-            finally:
-                await response.aclose()
-        assert last_error is not None
-        raise last_error
 
 
 # --- wire parsing -----------------------------------------------------------------------
