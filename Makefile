@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The repo's operator/ folder would shadow the standard library's `operator` module when
+# `python -m` puts the working directory first on sys.path.
+export PYTHONSAFEPATH := 1
 
 .PHONY: demo test lint venv
 
