@@ -19,6 +19,7 @@ from typing import Any
 
 import yaml
 from pydantic import BaseModel
+
 from tokenkeep_operator import models
 
 _DROPPED_KEYS = {"title", "$defs"}

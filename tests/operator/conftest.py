@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
 from tokenkeep_operator.manifests.common import Owner
 from tokenkeep_operator.models import API_VERSION
 

@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 import yaml
-from tokenkeep_operator import crdgen
-from tokenkeep_operator.models import ModelServerSpec, SessionServerSpec
 
 from tests.operator.conftest import EXAMPLES, REPO_ROOT
 from tests.operator.schemas import custom_resource_errors, validate_builtin
+from tokenkeep_operator import crdgen
+from tokenkeep_operator.models import ModelServerSpec, SessionServerSpec
 
 
 def crd(kind: str) -> dict[str, Any]:

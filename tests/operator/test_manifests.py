@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 import yaml
-from tokenkeep_operator.manifests import engine, redis, session
-from tokenkeep_operator.models import ModelServerSpec, SessionServerSpec
 
 from tests.operator.conftest import TEST_NAMESPACE, load_example, owner_of
 from tests.operator.schemas import validate_builtin
+from tokenkeep_operator.manifests import engine, redis, session
+from tokenkeep_operator.models import ModelServerSpec, SessionServerSpec
 
 GOLDEN = Path(__file__).parent / "golden"
 IMAGE = "registry.example/tokenkeep:0.1.0"
