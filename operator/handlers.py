@@ -43,6 +43,13 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     memo.reconciler = Reconciler(Kube(load_config()), _post_event, default_image=image)
 
 
+@kopf.on.login()
+def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
+    """In-cluster first, else $KUBECONFIG as it is now (the client library's own login
+    reads $KUBECONFIG once, at import)."""
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
 def _reconcile(action: Any, namespace: str, name: str) -> None:
     try:
         action(namespace, name)

@@ -3,6 +3,8 @@ client's authenticated `ApiClient` (so in-cluster and kubeconfig logins both wor
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
 
 from kubernetes import client, config
@@ -29,7 +31,8 @@ def load_config() -> client.ApiClient:
     try:
         config.load_incluster_config()
     except config.ConfigException:
-        config.load_kube_config()
+        # The client reads $KUBECONFIG once, at import; read it now.
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
     return client.ApiClient()
 
 
@@ -60,16 +63,21 @@ class Kube:
         query: list[tuple[str, str]] | None = None,
         content_type: str = "application/json",
     ) -> Any:
-        return self._api.call_api(
-            path,
-            method,
+        method, url, headers, body, post = self._api.param_serialize(
+            method=method,
+            resource_path=path,
             query_params=query or [],
             header_params={"Accept": "application/json", "Content-Type": content_type},
             body=body,
-            response_type="object",
             auth_settings=["BearerToken"],
-            _return_http_data_only=True,
         )
+        response = self._api.call_api(
+            method, url, header_params=headers, body=body, post_params=post
+        )
+        response.read()
+        if not 200 <= response.status < 300:
+            raise client.ApiException(http_resp=response)
+        return json.loads(response.data)
 
     def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         try:
