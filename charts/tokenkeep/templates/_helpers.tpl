@@ -1,0 +1,58 @@
+{{- define "tokenkeep.fullname" -}}
+{{- if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "tokenkeep.selectorLabels" -}}
+app.kubernetes.io/name: tokenkeep-operator
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "tokenkeep.labels" -}}
+{{ include "tokenkeep.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: tokenkeep
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
+{{- end -}}
+
+{{- define "tokenkeep.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "tokenkeep.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "tokenkeep.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* What the operator may do to the resources it manages, in any watched namespace. */}}
+{{- define "tokenkeep.namespacedRules" -}}
+- apiGroups: ["tokenkeep.dev"]
+  resources: ["modelservers", "sessionservers"]
+  verbs: ["get", "list", "watch", "patch"]
+- apiGroups: ["tokenkeep.dev"]
+  resources: ["modelservers/status", "sessionservers/status"]
+  verbs: ["get", "patch"]
+- apiGroups: ["apps"]
+  resources: ["deployments", "statefulsets"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: [""]
+  resources: ["services", "configmaps", "serviceaccounts", "persistentvolumeclaims"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+- apiGroups: ["policy"]
+  resources: ["poddisruptionbudgets"]
+  verbs: ["get", "list", "watch", "create", "patch"]
+# Read-only: pod states explain why a rollout is stuck (missing secret, no GPU, ...).
+- apiGroups: [""]
+  resources: ["pods"]
+  verbs: ["get", "list", "watch"]
+- apiGroups: ["", "events.k8s.io"]
+  resources: ["events"]
+  verbs: ["create", "patch"]
+{{- end -}}

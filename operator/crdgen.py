@@ -1,0 +1,251 @@
+"""Generate the CustomResourceDefinitions from the Pydantic models.
+
+`python -m tokenkeep_operator.crdgen` rewrites `crds/` and `charts/tokenkeep/crds/`;
+`--check` only reports drift (exit 1), which is what the test suite runs.
+
+Pydantic emits JSON Schema 2020-12; Kubernetes wants a *structural* OpenAPI v3.0 schema:
+every node typed, no `$ref`, no `anyOf` over null, boolean `exclusiveMinimum`, free-form
+objects marked `x-kubernetes-preserve-unknown-fields`, and `properties` never beside
+`additionalProperties`. `to_structural` performs exactly that translation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel
+
+from tokenkeep_operator import models
+
+_DROPPED_KEYS = {"title", "$defs"}
+
+
+@dataclass(frozen=True)
+class CRDKind:
+    kind: str
+    plural: str
+    short_name: str
+    spec: type[BaseModel]
+    status: type[BaseModel]
+    printer_columns: list[dict[str, Any]]
+    scale: bool
+
+
+def _ready_column(name: str, field: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "type": "string",
+        "jsonPath": f'.status.conditions[?(@.type=="Ready")].{field}',
+    }
+
+
+KINDS = [
+    CRDKind(
+        kind="ModelServer",
+        plural="modelservers",
+        short_name="msrv",
+        spec=models.ModelServerSpec,
+        status=models.ModelServerStatus,
+        printer_columns=[
+            {"name": "Model", "type": "string", "jsonPath": ".spec.model.uri"},
+            {"name": "GPUs", "type": "integer", "jsonPath": ".spec.resources.gpus"},
+            {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},
+            {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
+            _ready_column("Status", "status"),
+            _ready_column("Reason", "reason"),
+            {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+        ],
+        scale=True,
+    ),
+    CRDKind(
+        kind="SessionServer",
+        plural="sessionservers",
+        short_name="ssrv",
+        spec=models.SessionServerSpec,
+        status=models.SessionServerStatus,
+        printer_columns=[
+            {"name": "ModelServer", "type": "string", "jsonPath": ".spec.modelServerRef.name"},
+            {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
+            _ready_column("Status", "status"),
+            _ready_column("Reason", "reason"),
+            {"name": "URL", "type": "string", "jsonPath": ".status.url", "priority": 1},
+            {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+        ],
+        scale=False,
+    ),
+]
+
+
+def _resolve(node: Any, defs: dict[str, Any]) -> Any:
+    if isinstance(node, list):
+        return [_resolve(item, defs) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if "$ref" in node:
+        target = defs[node["$ref"].rsplit("/", 1)[1]]
+        merged = {**target, **{k: v for k, v in node.items() if k != "$ref"}}
+        return _resolve(merged, defs)
+    return {k: _resolve(v, defs) for k, v in node.items() if k not in _DROPPED_KEYS}
+
+
+def _without_nulls(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value
+
+
+def _structural(node: dict[str, Any]) -> dict[str, Any]:
+    node = dict(node)
+    if "default" in node:
+        # A default may not hold null for a field that is not nullable: leave those unset.
+        node["default"] = _without_nulls(node["default"])
+    if "anyOf" in node:
+        branches = [b for b in node.pop("anyOf") if b.get("type") != "null"]
+        if len(branches) != 1:
+            raise ValueError(f"cannot express a union in a structural schema: {branches}")
+        if node.get("default", ...) is None:
+            del node["default"]
+        node = {**branches[0], **node}
+    if isinstance(node.get("exclusiveMinimum"), int | float):
+        node["minimum"] = node["exclusiveMinimum"]
+        node["exclusiveMinimum"] = True
+    if isinstance(node.get("exclusiveMaximum"), int | float):
+        node["maximum"] = node["exclusiveMaximum"]
+        node["exclusiveMaximum"] = True
+    if node.get("type") == "object":
+        extra = node.get("additionalProperties")
+        if "properties" in node:
+            node.pop("additionalProperties", None)
+            node["properties"] = {k: _structural(v) for k, v in node["properties"].items()}
+        elif extra is True or ("additionalProperties" not in node):
+            node.pop("additionalProperties", None)
+            node["x-kubernetes-preserve-unknown-fields"] = True
+        else:
+            node["additionalProperties"] = _structural(extra)
+    if node.get("type") == "array":
+        node["items"] = _structural(node["items"])
+    if "type" not in node:
+        raise ValueError(f"untyped schema node: {node}")
+    return node
+
+
+def to_structural(model: type[BaseModel]) -> dict[str, Any]:
+    raw = model.model_json_schema(by_alias=True, mode="validation")
+    return _structural(_resolve(raw, raw.get("$defs", {})))
+
+
+def render_crd(kind: CRDKind) -> dict[str, Any]:
+    spec_schema = to_structural(kind.spec)
+    status_schema = to_structural(kind.status)
+    name_rule = {
+        "rule": f"self.metadata.name.size() <= {models.MAX_NAME_LENGTH}",
+        "message": f"metadata.name must be at most {models.MAX_NAME_LENGTH} characters",
+    }
+    version: dict[str, Any] = {
+        "name": models.VERSION,
+        "served": True,
+        "storage": True,
+        "schema": {
+            "openAPIV3Schema": {
+                "type": "object",
+                "description": (kind.spec.__doc__ or "").strip() or None,
+                "required": ["spec"],
+                "properties": {
+                    "apiVersion": {"type": "string"},
+                    "kind": {"type": "string"},
+                    "metadata": {"type": "object"},
+                    "spec": spec_schema,
+                    "status": status_schema,
+                },
+                "x-kubernetes-validations": [name_rule],
+            }
+        },
+        "subresources": {"status": {}},
+        "additionalPrinterColumns": kind.printer_columns,
+    }
+    if version["schema"]["openAPIV3Schema"]["description"] is None:
+        del version["schema"]["openAPIV3Schema"]["description"]
+    if kind.scale:
+        version["subresources"]["scale"] = {
+            "specReplicasPath": ".spec.replicas",
+            "statusReplicasPath": ".status.replicas",
+            "labelSelectorPath": ".status.selector",
+        }
+    return {
+        "apiVersion": "apiextensions.k8s.io/v1",
+        "kind": "CustomResourceDefinition",
+        "metadata": {"name": f"{kind.plural}.{models.GROUP}"},
+        "spec": {
+            "group": models.GROUP,
+            "scope": "Namespaced",
+            "names": {
+                "kind": kind.kind,
+                "listKind": f"{kind.kind}List",
+                "plural": kind.plural,
+                "singular": kind.kind.lower(),
+                "shortNames": [kind.short_name],
+                "categories": ["tokenkeep"],
+            },
+            "versions": [version],
+        },
+    }
+
+
+def crd_filename(kind: CRDKind) -> str:
+    return f"{models.GROUP}_{kind.plural}.yaml"
+
+
+def render_crd_files() -> dict[str, str]:
+    """File name -> YAML text, byte for byte what belongs in crds/."""
+    header = "# Generated by `python -m tokenkeep_operator.crdgen` from operator/models.py.\n"
+    return {
+        crd_filename(kind): header + yaml.safe_dump(render_crd(kind), sort_keys=False, width=100)
+        for kind in KINDS
+    }
+
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CRD_DIRS = [REPO_ROOT / "crds", REPO_ROOT / "charts" / "tokenkeep" / "crds"]
+
+
+def drift(directories: list[Path]) -> list[str]:
+    """Files that differ from, or are missing against, what the models generate."""
+    expected = render_crd_files()
+    problems = []
+    for directory in directories:
+        present = {p.name for p in directory.glob("*.yaml")} if directory.is_dir() else set()
+        for name, text in expected.items():
+            path = directory / name
+            if not path.is_file() or path.read_text() != text:
+                problems.append(str(path))
+        problems.extend(str(directory / name) for name in sorted(present - expected.keys()))
+    return problems
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--check", action="store_true", help="report drift, write nothing")
+    args = parser.parse_args(argv)
+    if args.check:
+        problems = drift(CRD_DIRS)
+        for path in problems:
+            print(f"out of date: {path}", file=sys.stderr)
+        return 1 if problems else 0
+    for directory in CRD_DIRS:
+        directory.mkdir(parents=True, exist_ok=True)
+        for stale in directory.glob("*.yaml"):
+            stale.unlink()
+        for name, text in render_crd_files().items():
+            (directory / name).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,120 @@
+"""A small Kubernetes REST client for the kinds the operator manages, over the official
+client's authenticated `ApiClient` (so in-cluster and kubeconfig logins both work)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from kubernetes import client, config
+
+from tokenkeep_operator.models import API_VERSION
+
+PLURALS = {
+    "ConfigMap": "configmaps",
+    "Deployment": "deployments",
+    "Event": "events",
+    "ModelServer": "modelservers",
+    "PersistentVolumeClaim": "persistentvolumeclaims",
+    "Pod": "pods",
+    "PodDisruptionBudget": "poddisruptionbudgets",
+    "Service": "services",
+    "ServiceAccount": "serviceaccounts",
+    "SessionServer": "sessionservers",
+    "StatefulSet": "statefulsets",
+}
+MERGE_PATCH = "application/merge-patch+json"
+
+
+def load_config() -> client.ApiClient:
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        # The client reads $KUBECONFIG once, at import; read it now.
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG"))
+    return client.ApiClient()
+
+
+def resource_path(
+    api_version: str, kind: str, namespace: str, name: str | None = None, sub: str | None = None
+) -> str:
+    base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
+    path = f"{base}/namespaces/{namespace}/{PLURALS[kind]}"
+    if name:
+        path += f"/{name}"
+    if sub:
+        path += f"/{sub}"
+    return path
+
+
+class Kube:
+    """get / list / create / merge-patch of namespaced objects, as plain dicts."""
+
+    def __init__(self, api_client: client.ApiClient) -> None:
+        self._api = api_client
+
+    def _call(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: Any = None,
+        query: list[tuple[str, str]] | None = None,
+        content_type: str = "application/json",
+    ) -> Any:
+        method, url, headers, body, post = self._api.param_serialize(
+            method=method,
+            resource_path=path,
+            query_params=query or [],
+            header_params={"Accept": "application/json", "Content-Type": content_type},
+            body=body,
+            auth_settings=["BearerToken"],
+        )
+        response = self._api.call_api(
+            method, url, header_params=headers, body=body, post_params=post
+        )
+        response.read()
+        if not 200 <= response.status < 300:
+            raise client.ApiException(http_resp=response)
+        return json.loads(response.data)
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        try:
+            return self._call("GET", resource_path(api_version, kind, namespace, name))
+        except client.ApiException as error:
+            if error.status == 404:
+                return None
+            raise
+
+    def list(
+        self, api_version: str, kind: str, namespace: str, selector: str | None = None
+    ) -> list[dict[str, Any]]:
+        query = [("labelSelector", selector)] if selector else []
+        found = self._call("GET", resource_path(api_version, kind, namespace), query=query)
+        return list(found.get("items") or [])
+
+    def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        meta = obj["metadata"]
+        path = resource_path(obj["apiVersion"], obj["kind"], meta["namespace"])
+        return self._call("POST", path, body=obj)
+
+    def patch(
+        self,
+        api_version: str,
+        kind: str,
+        namespace: str,
+        name: str,
+        patch: dict[str, Any],
+        sub: str | None = None,
+    ) -> dict[str, Any]:
+        path = resource_path(api_version, kind, namespace, name, sub)
+        return self._call("PATCH", path, body=patch, content_type=MERGE_PATCH)
+
+    def get_custom(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
+        return self.get(API_VERSION, kind, namespace, name)
+
+    def patch_status(
+        self, kind: str, namespace: str, name: str, status: dict[str, Any]
+    ) -> dict[str, Any]:
+        return self.patch(API_VERSION, kind, namespace, name, {"status": status}, sub="status")

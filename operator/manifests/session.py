@@ -1,0 +1,238 @@
+"""Children of a SessionServer: `tokenkeep serve` configured through environment variables,
+in front of every replica of one ModelServer, with its Redis."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from tokenkeep_operator.manifests import engine, redis
+from tokenkeep_operator.manifests.common import (
+    CONFIG_HASH_ANNOTATION,
+    ENDPOINT_PROPAGATION_SECONDS,
+    GENERATION_ANNOTATION,
+    Owner,
+    http_probe,
+    labels,
+    metadata,
+    pod_disruption_budget,
+    scheduling_fields,
+    secret_env,
+    selector_labels,
+    service_account,
+)
+from tokenkeep_operator.models import ModelServerSpec, SessionServerSpec
+
+APP = "tokenkeep"
+COMPONENT = "session-server"
+PORT = 8000
+# The non-root user of the tokenkeep image (see the Dockerfile).
+TOKENKEEP_UID = 10001
+
+
+class ConfigError(ValueError):
+    """The SessionServer cannot be rendered as specified (the message says what to change)."""
+
+
+def deployment_name(owner_name: str) -> str:
+    return f"{owner_name}-sessions"
+
+
+def config_map_name(owner_name: str) -> str:
+    return f"{owner_name}-sessions-config"
+
+
+def service_url(owner_name: str, namespace: str) -> str:
+    return f"http://{deployment_name(owner_name)}.{namespace}.svc:{PORT}"
+
+
+def session_url_template(owner_name: str, namespace: str) -> str:
+    return f"{service_url(owner_name, namespace)}/sessions/{{session_id}}/v1"
+
+
+def pod_selector(owner: Owner) -> dict[str, str]:
+    return selector_labels(owner, APP, COMPONENT)
+
+
+def tokenizer(spec: SessionServerSpec, model_server: ModelServerSpec) -> str:
+    if spec.tokenizer:
+        return spec.tokenizer
+    if model_server.model.scheme == "hf":
+        return model_server.model.location
+    raise ConfigError(
+        "spec.tokenizer is required when the ModelServer loads its model from a pvc:// uri"
+    )
+
+
+def settings(
+    owner: Owner, spec: SessionServerSpec, model_server_name: str, model_server: ModelServerSpec
+) -> dict[str, str]:
+    """The session server's environment, as ConfigMap data (secrets are referenced apart)."""
+    data = {
+        "TOKENKEEP_ENGINE_URLS": engine.replicas_url(model_server_name, owner.namespace),
+        "TOKENKEEP_MODEL": engine.served_model_name(model_server_name, model_server),
+        "TOKENKEEP_TOKENIZER": tokenizer(spec, model_server),
+        "TOKENKEEP_RENDERER": spec.renderer,
+        "TOKENKEEP_HOST": "0.0.0.0",
+        "TOKENKEEP_PORT": str(PORT),
+        "TOKENKEEP_SESSION_TTL_SECONDS": str(spec.session_ttl_seconds),
+        "HF_HOME": "/cache/huggingface",
+    }
+    if spec.max_sessions is not None:
+        data["TOKENKEEP_MAX_SESSIONS"] = str(spec.max_sessions)
+    if spec.sampling_overrides:
+        data["TOKENKEEP_SAMPLING_OVERRIDES"] = json.dumps(
+            spec.sampling_overrides, sort_keys=True, separators=(",", ":")
+        )
+    if spec.redis.mode == "Managed":
+        data["TOKENKEEP_REDIS_URL"] = redis.url(owner.name, owner.namespace)
+    return data
+
+
+def config_map(owner: Owner, data: dict[str, str]) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": metadata(owner, config_map_name(owner.name), labels(owner, APP, COMPONENT)),
+        "data": data,
+    }
+
+
+def _secret_env(spec: SessionServerSpec, model_server: ModelServerSpec) -> list[dict[str, Any]]:
+    env = []
+    if spec.redis.mode == "External" and spec.redis.external:
+        ref = spec.redis.external.url_secret_ref
+        env.append(secret_env("TOKENKEEP_REDIS_URL", ref.name, ref.key))
+    if spec.api_key_secret_ref:
+        ref = spec.api_key_secret_ref
+        env.append(secret_env("TOKENKEEP_API_KEY", ref.name, ref.key))
+    if model_server.model.auth_secret_ref:
+        # The same token that lets vLLM download a gated model lets us load its tokenizer.
+        ref = model_server.model.auth_secret_ref
+        env.append(secret_env("HF_TOKEN", ref.name, ref.key))
+    return env
+
+
+def deployment(
+    owner: Owner,
+    spec: SessionServerSpec,
+    model_server: ModelServerSpec,
+    data: dict[str, str],
+    default_image: str,
+) -> dict[str, Any]:
+    object_labels = labels(owner, APP, COMPONENT)
+    config_hash = hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:16]
+    resources: dict[str, Any] = {}
+    if spec.resources.requests:
+        resources["requests"] = dict(spec.resources.requests)
+    if spec.resources.limits:
+        resources["limits"] = dict(spec.resources.limits)
+    container = {
+        "name": "session-server",
+        "image": spec.image or default_image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "command": ["tokenkeep", "serve"],
+        "envFrom": [{"configMapRef": {"name": config_map_name(owner.name)}}],
+        "env": _secret_env(spec, model_server),
+        "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
+        # Loading a tokenizer from the Hub can take a while on a cold node.
+        "startupProbe": http_probe("/healthz", period=5, failures=60),
+        "readinessProbe": http_probe("/readyz", period=5, failures=2),
+        "livenessProbe": http_probe("/healthz", period=10, failures=3),
+        "lifecycle": {
+            "preStop": {"exec": {"command": ["sleep", str(ENDPOINT_PROPAGATION_SECONDS)]}}
+        },
+        "resources": resources,
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": [
+            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "cache", "mountPath": "/cache"},
+        ],
+    }
+    if not container["env"]:
+        del container["env"]
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(
+            owner,
+            deployment_name(owner.name),
+            object_labels,
+            annotations={GENERATION_ANNOTATION: str(owner.generation)},
+        ),
+        "spec": {
+            "replicas": spec.replicas,
+            "selector": {"matchLabels": pod_selector(owner)},
+            "strategy": {
+                "type": "RollingUpdate",
+                "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
+            },
+            "template": {
+                "metadata": {
+                    "labels": dict(object_labels),
+                    # A changed ConfigMap rolls the pods, which read it only at start-up.
+                    "annotations": {CONFIG_HASH_ANNOTATION: config_hash},
+                },
+                "spec": {
+                    "serviceAccountName": deployment_name(owner.name),
+                    "automountServiceAccountToken": False,
+                    "enableServiceLinks": False,
+                    "terminationGracePeriodSeconds": ENDPOINT_PROPAGATION_SECONDS + 30,
+                    "securityContext": {
+                        "runAsNonRoot": True,
+                        "runAsUser": TOKENKEEP_UID,
+                        "runAsGroup": TOKENKEEP_UID,
+                        "seccompProfile": {"type": "RuntimeDefault"},
+                    },
+                    "containers": [container],
+                    "volumes": [
+                        {"name": "tmp", "emptyDir": {}},
+                        {"name": "cache", "emptyDir": {}},
+                    ],
+                    **scheduling_fields(spec.scheduling),
+                },
+            },
+        },
+    }
+
+
+def service(owner: Owner, spec: SessionServerSpec) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(owner, deployment_name(owner.name), labels(owner, APP, COMPONENT)),
+        "spec": {
+            "type": spec.service_type,
+            "selector": pod_selector(owner),
+            "ports": [{"name": "http", "port": PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def render(
+    owner: Owner,
+    spec: SessionServerSpec,
+    model_server_name: str,
+    model_server: ModelServerSpec,
+    default_image: str,
+) -> list[dict[str, Any]]:
+    """Every child of a SessionServer, in the order they should be applied.
+
+    Raises ConfigError when the spec cannot work with this ModelServer."""
+    data = settings(owner, spec, model_server_name, model_server)
+    objects: list[dict[str, Any]] = []
+    if spec.redis.mode == "Managed":
+        objects += redis.render(owner, spec.redis.managed, spec.scheduling)
+    return [
+        *objects,
+        service_account(owner, deployment_name(owner.name), APP, COMPONENT),
+        config_map(owner, data),
+        service(owner, spec),
+        pod_disruption_budget(owner, deployment_name(owner.name), APP, COMPONENT),
+        deployment(owner, spec, model_server, data, default_image),
+    ]

@@ -1,0 +1,287 @@
+"""The ModelServer and SessionServer custom resources, as Pydantic models.
+
+The CRD schemas in `crds/` are generated from these models (see `crdgen`), and the operator
+parses every spec through them, so the schema the API server enforces and the one the operator
+assumes cannot drift apart. A rule the OpenAPI schema cannot express is written twice, side by
+side: as CEL for the API server (`x-kubernetes-validations`) and as a Pydantic validator for the
+operator, which must not trust that every API server enforces CEL.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+GROUP = "tokenkeep.dev"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+
+# vLLM release whose OpenAI server has `--enable-scale-out` (token-in `/inference/v1/generate`)
+# and `--shutdown-timeout`; the same version the session server is tested against.
+DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.32.0"
+DEFAULT_REDIS_IMAGE = "redis:7.4-alpine"
+# Children append suffixes such as `-engine-pods` (10 characters) to the resource name and
+# Service names are DNS labels (63 characters at most).
+MAX_NAME_LENGTH = 48
+
+QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
+Quantity = Annotated[str, Field(pattern=QUANTITY_PATTERN)]
+MODEL_URI_PATTERN = "^(hf|pvc)://[^/ ]+(/[^ ]*)?$"
+
+
+def cel(rule: str, message: str) -> dict[str, Any]:
+    """A CRD validation rule, attached to a model or field schema."""
+    return {"x-kubernetes-validations": [{"rule": rule, "message": message}]}
+
+
+class CRDModel(BaseModel):
+    """camelCase on the wire (as Kubernetes users expect), snake_case in Python."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True
+    )
+
+
+class SecretKeyRef(CRDModel):
+    """One key of a Secret in the resource's namespace."""
+
+    name: str = Field(min_length=1, max_length=253)
+    key: str = Field(min_length=1, max_length=253)
+
+
+class LocalObjectRef(CRDModel):
+    name: str = Field(min_length=1, max_length=253)
+
+
+class EnvVar(CRDModel):
+    name: str = Field(min_length=1, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+    value: str = ""
+
+
+class ResourceRequirements(CRDModel):
+    """Requests and limits of a container, as in a Pod spec."""
+
+    requests: dict[str, Quantity] = Field(default_factory=dict)
+    limits: dict[str, Quantity] = Field(default_factory=dict)
+
+
+class Scheduling(CRDModel):
+    """Where the pods may run; passed through to the pod spec unchanged."""
+
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = Field(default_factory=list)
+    affinity: dict[str, Any] | None = None
+    priority_class_name: str | None = None
+
+
+# --- ModelServer -------------------------------------------------------------------------
+
+
+class ModelSource(CRDModel):
+    uri: str = Field(
+        max_length=512,
+        description=(
+            "hf://ORG/NAME for a Hugging Face repository (downloaded into the cache PVC), or "
+            "pvc://CLAIM/PATH for weights already on a PersistentVolumeClaim."
+        ),
+        json_schema_extra=cel(
+            f"self.matches('{MODEL_URI_PATTERN}')",
+            "uri must be hf://ORG/NAME or pvc://CLAIM/PATH",
+        ),
+    )
+    revision: str | None = Field(None, description="Hugging Face revision (branch, tag, commit).")
+    served_name: str | None = Field(
+        None, description="Model name the API serves; defaults to ORG/NAME or the resource name."
+    )
+    auth_secret_ref: SecretKeyRef | None = Field(
+        None, description="Secret key holding a Hugging Face token (exported as HF_TOKEN)."
+    )
+
+    @property
+    def scheme(self) -> Literal["hf", "pvc"]:
+        return "hf" if self.uri.startswith("hf://") else "pvc"
+
+    @property
+    def location(self) -> str:
+        """What follows the scheme: ORG/NAME, or CLAIM/PATH."""
+        return self.uri.split("://", 1)[1]
+
+    @model_validator(mode="after")
+    def _check_uri(self) -> ModelSource:
+        if not re.match(MODEL_URI_PATTERN, self.uri):
+            raise ValueError("model.uri must be hf://ORG/NAME or pvc://CLAIM/PATH")
+        return self
+
+
+class ModelCache(CRDModel):
+    enabled: bool = True
+    size: Quantity = "100Gi"
+    storage_class_name: str | None = None
+    access_mode: Literal["ReadWriteOnce", "ReadWriteOncePod", "ReadWriteMany"] = Field(
+        "ReadWriteOnce",
+        description=(
+            "ReadWriteMany lets replicas on different nodes share one cache; with ReadWriteOnce "
+            "every replica must be scheduled on the node that holds the volume."
+        ),
+    )
+    retain: bool = Field(False, description="Keep the PVC when the ModelServer is deleted.")
+
+
+class Engine(CRDModel):
+    image: str = DEFAULT_VLLM_IMAGE
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    tensor_parallel_size: int = Field(1, ge=1, le=64)
+    max_model_len: int | None = Field(None, ge=1)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    tool_call_parser: str | None = Field(
+        None, description="vLLM tool-call parser; also turns on --enable-auto-tool-choice."
+    )
+    reasoning_parser: str | None = None
+    extra_args: list[str] = Field(default_factory=list)
+    env: list[EnvVar] = Field(default_factory=list)
+
+
+class GPUResources(CRDModel):
+    gpus: int = Field(1, ge=1, le=64, description="GPUs per replica.")
+    gpu_resource_name: str = "nvidia.com/gpu"
+    cpu: Quantity | None = None
+    memory: Quantity | None = None
+    shared_memory: Quantity = Field(
+        "8Gi", description="Size of /dev/shm (NCCL needs it with tensor parallelism)."
+    )
+
+
+class ModelServerSpec(CRDModel):
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            "self.resources.gpus % self.engine.tensorParallelSize == 0",
+            "resources.gpus must be a multiple of engine.tensorParallelSize",
+        )
+    )
+
+    model: ModelSource
+    cache: ModelCache = ModelCache()
+    engine: Engine = Engine()
+    resources: GPUResources = GPUResources()
+    replicas: int = Field(1, ge=0, description="Also settable through the scale subresource.")
+    startup_timeout_seconds: int = Field(
+        1800, ge=60, le=86400, description="How long a replica may take to load the model."
+    )
+    drain_seconds: int = Field(
+        60,
+        ge=0,
+        le=3600,
+        description="How long a stopping replica keeps serving in-flight requests.",
+    )
+    scheduling: Scheduling = Scheduling()
+
+    @model_validator(mode="after")
+    def _gpus_fit_tensor_parallel(self) -> ModelServerSpec:
+        if self.resources.gpus % self.engine.tensor_parallel_size:
+            raise ValueError(
+                f"resources.gpus ({self.resources.gpus}) must be a multiple of "
+                f"engine.tensorParallelSize ({self.engine.tensor_parallel_size})"
+            )
+        return self
+
+    @property
+    def pipeline_parallel_size(self) -> int:
+        return self.resources.gpus // self.engine.tensor_parallel_size
+
+
+# --- SessionServer -----------------------------------------------------------------------
+
+
+class ManagedRedis(CRDModel):
+    image: str = DEFAULT_REDIS_IMAGE
+    storage_size: Quantity = "10Gi"
+    storage_class_name: str | None = None
+    retain: bool = Field(False, description="Keep the Redis PVC when the resource is deleted.")
+    resources: ResourceRequirements = ResourceRequirements(
+        requests={"cpu": "100m", "memory": "256Mi"}, limits={"memory": "2Gi"}
+    )
+
+
+class ExternalRedis(CRDModel):
+    url_secret_ref: SecretKeyRef = Field(description="Secret key holding redis://... or rediss://")
+
+
+class Redis(CRDModel):
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            "self.mode != 'External' || has(self.external)",
+            "redis.external.urlSecretRef is required when redis.mode is External",
+        )
+    )
+
+    mode: Literal["Managed", "External"] = "Managed"
+    managed: ManagedRedis = ManagedRedis()
+    external: ExternalRedis | None = None
+
+    @model_validator(mode="after")
+    def _external_has_url(self) -> Redis:
+        if self.mode == "External" and self.external is None:
+            raise ValueError("redis.external.urlSecretRef is required when redis.mode is External")
+        return self
+
+
+class SessionServerSpec(CRDModel):
+    model_server_ref: LocalObjectRef = Field(description="The ModelServer in this namespace.")
+    replicas: int = Field(1, ge=0)
+    image: str | None = Field(None, description="Defaults to the operator's own image.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    tokenizer: str | None = Field(
+        None,
+        description="Tokenizer path or Hugging Face id; defaults to the model of an hf:// uri.",
+    )
+    renderer: str = "auto"
+    redis: Redis = Redis()
+    session_ttl_seconds: int = Field(86400, ge=60)
+    max_sessions: int | None = Field(None, ge=1)
+    sampling_overrides: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Sampling parameters that win over what harnesses send (e.g. temperature).",
+    )
+    api_key_secret_ref: SecretKeyRef | None = Field(
+        None, description="Secret key holding the API key clients must present."
+    )
+    resources: ResourceRequirements = ResourceRequirements(
+        requests={"cpu": "500m", "memory": "1Gi"}, limits={"memory": "4Gi"}
+    )
+    service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    scheduling: Scheduling = Scheduling()
+
+
+# --- status ------------------------------------------------------------------------------
+
+
+class Condition(CRDModel):
+    type: str
+    status: Literal["True", "False", "Unknown"]
+    reason: str
+    message: str = ""
+    last_transition_time: str | None = None
+    observed_generation: int | None = None
+
+
+class ModelServerStatus(CRDModel):
+    observed_generation: int | None = None
+    replicas: int = 0
+    ready_replicas: int = 0
+    selector: str | None = Field(None, description="Label selector of the pods (for autoscalers).")
+    url: str | None = Field(None, description="OpenAI-compatible base URL of the engine Service.")
+    conditions: list[Condition] = Field(default_factory=list)
+
+
+class SessionServerStatus(CRDModel):
+    observed_generation: int | None = None
+    replicas: int = 0
+    ready_replicas: int = 0
+    url: str | None = None
+    session_url_template: str | None = Field(
+        None, description="OpenAI base URL of one session: replace {session_id}."
+    )
+    conditions: list[Condition] = Field(default_factory=list)

@@ -1,0 +1,274 @@
+"""Status of the custom resources, computed from the children the operator observes.
+
+Pure functions: the observed objects (and the previous conditions, for transition times) in,
+a status dict out. Because status is recomputed from reality every time a child changes, it
+follows the cluster instead of freezing at whatever the last reconcile saw.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from tokenkeep_operator.manifests.common import GENERATION_ANNOTATION
+
+READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
+
+# Reasons (CamelCase, as Kubernetes conditions use them).
+AVAILABLE = "Available"
+AS_EXPECTED = "AsExpected"
+APPLY_FAILED = "ApplyFailed"
+CRASH_LOOP = "CrashLoop"
+IMAGE_PULL_FAILED = "ImagePullFailed"
+INSUFFICIENT_GPU = "InsufficientGPU"
+INVALID_SPEC = "InvalidSpec"
+LOADING_MODEL = "LoadingModel"
+MODEL_SERVER_NOT_FOUND = "ModelServerNotFound"
+MODEL_SERVER_NOT_READY = "ModelServerNotReady"
+PVC_PENDING = "PVCPending"
+REDIS_NOT_READY = "RedisNotReady"
+REPLICAS_UNAVAILABLE = "ReplicasUnavailable"
+ROLLOUT_COMPLETE = "RolloutComplete"
+ROLLOUT_STALLED = "RolloutStalled"
+ROLLING_OUT = "RollingOut"
+SCALED_TO_ZERO = "ScaledToZero"
+SECRET_NOT_FOUND = "SecretNotFound"
+STARTING = "Starting"
+UNSCHEDULABLE = "Unschedulable"
+WAITING_FOR_CHILDREN = "WaitingForChildren"
+
+
+@dataclass(frozen=True)
+class Problem:
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A Deployment or StatefulSet with its pods and the claims its pods mount."""
+
+    controller: dict[str, Any] | None
+    pods: list[dict[str, Any]] = field(default_factory=list)
+    claims: list[dict[str, Any]] = field(default_factory=list)
+
+
+def condition(type_: str, ok: bool, reason: str, message: str, generation: int) -> dict[str, Any]:
+    return {
+        "type": type_,
+        "status": "True" if ok else "False",
+        "reason": reason,
+        "message": message,
+        "observedGeneration": generation,
+    }
+
+
+def with_transition_times(
+    conditions: list[dict[str, Any]], previous: Iterable[dict[str, Any]], now: str
+) -> list[dict[str, Any]]:
+    """lastTransitionTime changes only when a condition's status does."""
+    before = {c.get("type"): c for c in previous}
+    stamped = []
+    for cond in conditions:
+        old = before.get(cond["type"])
+        unchanged = old is not None and old.get("status") == cond["status"]
+        since = old.get("lastTransitionTime") if unchanged and old else None
+        stamped.append({**cond, "lastTransitionTime": since or now})
+    return stamped
+
+
+def changed_conditions(
+    new: list[dict[str, Any]], previous: Iterable[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """Conditions whose status or reason differ from before: each deserves an event."""
+    before = {c.get("type"): (c.get("status"), c.get("reason")) for c in previous}
+    return [c for c in new if before.get(c["type"]) != (c["status"], c["reason"])]
+
+
+def pod_problems(pods: list[dict[str, Any]], gpu_resource: str | None = None) -> list[Problem]:
+    """Why pods cannot run, as kubelet and scheduler report it, most actionable first."""
+    found: dict[str, Problem] = {}
+    for pod in pods:
+        name = pod["metadata"]["name"]
+        status = pod.get("status", {})
+        for cond in status.get("conditions", []):
+            if cond.get("type") == "PodScheduled" and cond.get("reason") == "Unschedulable":
+                message = cond.get("message", "")
+                if gpu_resource and f"Insufficient {gpu_resource}" in message:
+                    reason = INSUFFICIENT_GPU
+                elif "unbound" in message and "PersistentVolumeClaim" in message:
+                    reason = PVC_PENDING
+                else:
+                    reason = UNSCHEDULABLE
+                found.setdefault(reason, Problem(reason, f"pod {name}: {message}"))
+        statuses = status.get("initContainerStatuses", []) + status.get("containerStatuses", [])
+        for container in statuses:
+            waiting = container.get("state", {}).get("waiting") or {}
+            why, message = waiting.get("reason", ""), waiting.get("message", "")
+            if why == "CreateContainerConfigError" and "secret" in message.lower():
+                reason = SECRET_NOT_FOUND
+            elif why in {"ErrImagePull", "ImagePullBackOff", "InvalidImageName"}:
+                reason = IMAGE_PULL_FAILED
+            elif why == "CrashLoopBackOff":
+                reason = CRASH_LOOP
+                last = container.get("lastState", {}).get("terminated") or {}
+                if last:
+                    message = f"last exit {last.get('exitCode')} ({last.get('reason', '')})"
+            else:
+                continue
+            text = f"pod {name}, container {container.get('name')}: {why}: {message}"
+            found.setdefault(reason, Problem(reason, text.rstrip(": ")))
+    order = [
+        SECRET_NOT_FOUND,
+        IMAGE_PULL_FAILED,
+        INSUFFICIENT_GPU,
+        PVC_PENDING,
+        UNSCHEDULABLE,
+        CRASH_LOOP,
+    ]
+    return [found[r] for r in order if r in found]
+
+
+def claim_problems(claims: list[dict[str, Any]], pods: list[dict[str, Any]]) -> list[Problem]:
+    """A Pending claim is a problem once a pod waits for it; before that (no pods, or a
+    WaitForFirstConsumer class that binds on scheduling) it is normal."""
+    if not pods:
+        return []
+    return [
+        Problem(PVC_PENDING, f"PersistentVolumeClaim {c['metadata']['name']} is Pending")
+        for c in claims
+        if c.get("status", {}).get("phase", "Pending") == "Pending"
+        and any(p.get("status", {}).get("phase", "Pending") == "Pending" for p in pods)
+    ]
+
+
+def _is_loading(pods: list[dict[str, Any]]) -> bool:
+    """Some container runs but has not passed its startup probe: the model is loading."""
+    return any(
+        "running" in c.get("state", {}) and not c.get("started", False)
+        for pod in pods
+        for c in pod.get("status", {}).get("containerStatuses", [])
+    )
+
+
+@dataclass(frozen=True)
+class Rollout:
+    desired: int
+    replicas: int
+    ready: int
+    applied_generation: int | None
+    rolled_out: bool
+    stalled: bool
+
+
+def rollout(controller: dict[str, Any], desired: int) -> Rollout:
+    meta, status = controller.get("metadata", {}), controller.get("status", {})
+    generation = meta.get("generation", 1)
+    applied = meta.get("annotations", {}).get(GENERATION_ANNOTATION)
+    replicas = status.get("replicas", 0)
+    rolled_out = (
+        status.get("observedGeneration", 0) >= generation
+        and status.get("updatedReplicas", 0) == desired
+        and replicas == desired
+    )
+    stalled = any(
+        c.get("type") == "Progressing" and c.get("reason") == "ProgressDeadlineExceeded"
+        for c in status.get("conditions", [])
+    )
+    return Rollout(
+        desired=desired,
+        replicas=replicas,
+        ready=status.get("readyReplicas", 0),
+        applied_generation=int(applied) if applied else None,
+        rolled_out=rolled_out,
+        stalled=stalled,
+    )
+
+
+def workload_conditions(
+    workload: Workload,
+    desired: int,
+    generation: int,
+    *,
+    what: str,
+    gpu_resource: str | None = None,
+    waiting: Problem | None = None,
+) -> list[dict[str, Any]]:
+    """Ready / Progressing / Degraded of one workload. `waiting` names an outside reason
+    (e.g. the ModelServer is not ready) that explains unready pods better than they do."""
+    if workload.controller is None:
+        message = f"{what} not created yet"
+        return [
+            condition(READY, False, WAITING_FOR_CHILDREN, message, generation),
+            condition(PROGRESSING, True, WAITING_FOR_CHILDREN, message, generation),
+            condition(DEGRADED, False, AS_EXPECTED, "", generation),
+        ]
+    state = rollout(workload.controller, desired)
+    problems = pod_problems(workload.pods, gpu_resource)
+    problems += [p for p in claim_problems(workload.claims, workload.pods) if p not in problems]
+    if state.stalled and not problems:
+        problems.append(Problem(ROLLOUT_STALLED, f"{what} rollout exceeded its deadline"))
+    if state.rolled_out and state.ready < desired and not problems:
+        problems.append(Problem(REPLICAS_UNAVAILABLE, f"{state.ready} of {desired} replicas ready"))
+    all_ready = state.ready >= desired
+    if desired == 0:
+        ready = condition(READY, False, SCALED_TO_ZERO, f"{what} has 0 replicas", generation)
+    elif all_ready and state.rolled_out:
+        message = f"{state.ready} of {desired} replicas ready"
+        ready = condition(READY, True, AVAILABLE, message, generation)
+    else:
+        if problems:
+            reason, message = problems[0].reason, problems[0].message
+        elif waiting is not None:
+            reason, message = waiting.reason, waiting.message
+        elif gpu_resource and _is_loading(workload.pods):
+            reason, message = LOADING_MODEL, "vLLM is loading the model (startup probe pending)"
+        else:
+            reason, message = STARTING, f"{state.ready} of {desired} replicas ready"
+        ready = condition(READY, False, reason, message, generation)
+    if state.rolled_out and all_ready:
+        message = f"{what} rollout complete"
+        progressing = condition(PROGRESSING, False, ROLLOUT_COMPLETE, message, generation)
+    elif state.stalled:
+        progressing = condition(
+            PROGRESSING, False, ROLLOUT_STALLED, problems[0].message, generation
+        )
+    else:
+        reason = LOADING_MODEL if gpu_resource and _is_loading(workload.pods) else ROLLING_OUT
+        message = f"{state.ready} of {desired} replicas ready, {state.replicas} running"
+        progressing = condition(PROGRESSING, True, reason, message, generation)
+    if problems:
+        degraded = condition(DEGRADED, True, problems[0].reason, problems[0].message, generation)
+    else:
+        degraded = condition(DEGRADED, False, AS_EXPECTED, "", generation)
+    return [ready, progressing, degraded]
+
+
+def blocked_conditions(reason: str, message: str, generation: int) -> list[dict[str, Any]]:
+    """The resource cannot be acted on until the user changes something."""
+    return [
+        condition(READY, False, reason, message, generation),
+        condition(PROGRESSING, False, reason, message, generation),
+        condition(DEGRADED, True, reason, message, generation),
+    ]
+
+
+def carried_apply_failure(
+    previous: list[dict[str, Any]], applied_generation: int | None, generation: int
+) -> dict[str, Any] | None:
+    """An ApplyFailed condition stays until the current generation has been applied."""
+    if applied_generation == generation:
+        return None
+    for cond in previous:
+        if (
+            cond.get("type") == DEGRADED
+            and cond.get("reason") == APPLY_FAILED
+            and cond.get("observedGeneration") == generation
+        ):
+            return {k: v for k, v in cond.items() if k != "lastTransitionTime"}
+    return None
+
+
+def get_condition(conditions: Iterable[dict[str, Any]], type_: str) -> dict[str, Any] | None:
+    return next((c for c in conditions if c.get("type") == type_), None)

@@ -1,0 +1,181 @@
+"""The CRDs: generated from the models without drift, valid CRD objects, and accepting
+exactly the custom resources the operator can run."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.operator.conftest import EXAMPLES, REPO_ROOT
+from tests.operator.schemas import custom_resource_errors, validate_builtin
+from tokenkeep_operator import crdgen
+from tokenkeep_operator.models import ModelServerSpec, SessionServerSpec
+
+
+def crd(kind: str) -> dict[str, Any]:
+    path = REPO_ROOT / "crds" / f"tokenkeep.dev_{kind.lower()}s.yaml"
+    return yaml.safe_load(path.read_text())
+
+
+def test_committed_crds_match_the_models() -> None:
+    assert crdgen.drift(crdgen.CRD_DIRS) == [], (
+        "CRDs are out of date: run `python -m tokenkeep_operator.crdgen`"
+    )
+
+
+def test_chart_crds_are_byte_identical_to_top_level() -> None:
+    top = {p.name: p.read_bytes() for p in (REPO_ROOT / "crds").glob("*.yaml")}
+    chart = {p.name: p.read_bytes() for p in (REPO_ROOT / "charts/tokenkeep/crds").glob("*.yaml")}
+    assert top and top == chart
+
+
+def test_drift_check_notices_an_edited_crd(tmp_path) -> None:
+    for name, text in crdgen.render_crd_files().items():
+        (tmp_path / name).write_text(text)
+    assert crdgen.drift([tmp_path]) == []
+    victim = next(tmp_path.glob("*modelservers.yaml"))
+    victim.write_text(victim.read_text().replace("minimum: 1", "minimum: 2", 1))
+    assert crdgen.drift([tmp_path]) == [str(victim)]
+
+
+@pytest.mark.parametrize("kind", ["ModelServer", "SessionServer"])
+def test_crd_is_a_valid_kubernetes_object(kind: str) -> None:
+    validate_builtin(crd(kind))
+
+
+def _no_untyped_nodes(schema: dict[str, Any], path: str = "") -> list[str]:
+    """Structural schemas type every node and never combine properties with
+    additionalProperties."""
+    problems = []
+    if "type" not in schema:
+        problems.append(path)
+    if "properties" in schema and "additionalProperties" in schema:
+        problems.append(path + " (properties + additionalProperties)")
+    for name, prop in schema.get("properties", {}).items():
+        problems += _no_untyped_nodes(prop, f"{path}.{name}")
+    if isinstance(schema.get("additionalProperties"), dict):
+        problems += _no_untyped_nodes(schema["additionalProperties"], path + ".*")
+    if "items" in schema:
+        problems += _no_untyped_nodes(schema["items"], path + "[]")
+    return problems
+
+
+@pytest.mark.parametrize("kind", ["ModelServer", "SessionServer"])
+def test_crd_schema_is_structural(kind: str) -> None:
+    schema = crd(kind)["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    assert _no_untyped_nodes(schema) == []
+    assert "$ref" not in yaml.safe_dump(schema) and "anyOf" not in yaml.safe_dump(schema)
+
+
+def test_modelserver_has_scale_subresource_status_and_short_name() -> None:
+    definition = crd("ModelServer")
+    version = definition["spec"]["versions"][0]
+    assert version["subresources"]["scale"] == {
+        "specReplicasPath": ".spec.replicas",
+        "statusReplicasPath": ".status.replicas",
+        "labelSelectorPath": ".status.selector",
+    }
+    assert version["subresources"]["status"] == {}
+    assert definition["spec"]["names"]["shortNames"] == ["msrv"]
+    assert crd("SessionServer")["spec"]["names"]["shortNames"] == ["ssrv"]
+    columns = {c["name"] for c in version["additionalPrinterColumns"]}
+    assert {"Model", "GPUs", "Replicas", "Ready", "Status", "Reason", "Age"} <= columns
+
+
+EXAMPLE_FILES = sorted(p.name for p in EXAMPLES.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("name", EXAMPLE_FILES)
+def test_examples_are_accepted_by_crd_and_operator(name: str) -> None:
+    resource = yaml.safe_load((EXAMPLES / name).read_text())
+    assert custom_resource_errors(crd(resource["kind"]), resource) == []
+    model = ModelServerSpec if resource["kind"] == "ModelServer" else SessionServerSpec
+    model.model_validate(resource["spec"])
+
+
+def _modelserver(**spec_changes: Any) -> dict[str, Any]:
+    resource = yaml.safe_load((EXAMPLES / "modelserver-qwen3-8b.yaml").read_text())
+    spec = copy.deepcopy(resource["spec"])
+    for dotted, value in spec_changes.items():
+        *parents, leaf = dotted.split("__")
+        node = spec
+        for parent in parents:
+            node = node.setdefault(parent, {})
+        node[leaf] = value
+    resource["spec"] = spec
+    return resource
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        ({"resources__gpus": 2, "engine__tensorParallelSize": 4}, "multiple of"),
+        ({"resources__gpus": 6, "engine__tensorParallelSize": 4}, "multiple of"),
+        ({"model__uri": "s3://bucket/model"}, "hf://ORG/NAME or pvc://CLAIM/PATH"),
+        ({"model__uri": "hf://"}, "hf://ORG/NAME or pvc://CLAIM/PATH"),
+        ({"replicas": -1}, "minimum"),
+        ({"engine__gpuMemoryUtilization": 0}, "minimum"),
+        ({"engine__gpuMemoryUtilization": 1.5}, "maximum"),
+        ({"cache__accessMode": "ReadOnlyMany"}, "is not one of"),
+        ({"cache__size": "lots"}, "does not match"),
+        ({"startupTimeoutSeconds": 10}, "minimum"),
+    ],
+)
+def test_invalid_modelservers_are_rejected(changes: dict[str, Any], expected: str) -> None:
+    errors = custom_resource_errors(crd("ModelServer"), _modelserver(**changes))
+    assert errors and expected in " ".join(errors), errors
+
+
+def test_consistent_tensor_parallel_is_accepted() -> None:
+    resource = _modelserver(resources__gpus=8, engine__tensorParallelSize=4)
+    assert custom_resource_errors(crd("ModelServer"), resource) == []
+
+
+def test_long_names_are_rejected() -> None:
+    resource = _modelserver()
+    resource["metadata"]["name"] = "m" * 49
+    assert custom_resource_errors(crd("ModelServer"), resource) == [
+        "<root>: metadata.name must be at most 48 characters"
+    ]
+
+
+def test_external_redis_needs_a_url_secret() -> None:
+    resource = yaml.safe_load((EXAMPLES / "sessionserver.yaml").read_text())
+    resource["spec"]["redis"] = {"mode": "External"}
+    assert custom_resource_errors(crd("SessionServer"), resource) == [
+        ".spec.redis: redis.external.urlSecretRef is required when redis.mode is External"
+    ]
+    resource["spec"]["redis"]["external"] = {"urlSecretRef": {"name": "redis", "key": "url"}}
+    assert custom_resource_errors(crd("SessionServer"), resource) == []
+
+
+def test_unknown_fields_are_rejected_by_the_schema_and_the_model() -> None:
+    resource = _modelserver(engine__tensorParalelSize=2)
+    # The API server prunes (or, with strict field validation, refuses) unknown fields.
+    schema = crd("ModelServer")["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    assert (
+        "tensorParalelSize"
+        not in schema["properties"]["spec"]["properties"]["engine"]["properties"]
+    )
+    with pytest.raises(ValueError, match="tensorParalelSize"):
+        ModelServerSpec.model_validate(resource["spec"])
+
+
+def test_api_server_defaults_match_the_models() -> None:
+    """What the API server stores for a minimal resource is what the operator assumes."""
+    from tests.operator.schemas import apply_defaults
+
+    minimal = {"model": {"uri": "hf://Qwen/Qwen3-0.6B"}}
+    schema = crd("ModelServer")["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    defaulted = apply_defaults(schema["properties"]["spec"], minimal)
+    assert ModelServerSpec.model_validate(defaulted) == ModelServerSpec.model_validate(minimal)
+    assert defaulted["engine"]["tensorParallelSize"] == 1 and defaulted["resources"]["gpus"] == 1
+
+    minimal = {"modelServerRef": {"name": "m"}}
+    schema = crd("SessionServer")["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+    defaulted = apply_defaults(schema["properties"]["spec"], minimal)
+    assert SessionServerSpec.model_validate(defaulted) == SessionServerSpec.model_validate(minimal)
+    assert defaulted["redis"]["managed"]["resources"]["requests"]["memory"] == "256Mi"

@@ -1,0 +1,273 @@
+"""Rendered children: golden files, Kubernetes schema validity, and the properties users
+rely on (token endpoints on, GPUs consistent, slow loads survive, drains finish)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tests.operator.conftest import TEST_NAMESPACE, load_example, owner_of
+from tests.operator.schemas import validate_builtin
+from tokenkeep_operator.manifests import engine, redis, session
+from tokenkeep_operator.models import ModelServerSpec, SessionServerSpec
+
+GOLDEN = Path(__file__).parent / "golden"
+IMAGE = "registry.example/tokenkeep:0.1.0"
+
+
+def render_modelserver(resource: dict[str, Any]) -> list[dict[str, Any]]:
+    return engine.render(owner_of(resource), ModelServerSpec.model_validate(resource["spec"]))
+
+
+def render_sessionserver(
+    resource: dict[str, Any], model_server: dict[str, Any]
+) -> list[dict[str, Any]]:
+    return session.render(
+        owner_of(resource),
+        SessionServerSpec.model_validate(resource["spec"]),
+        model_server["metadata"]["name"],
+        ModelServerSpec.model_validate(model_server["spec"]),
+        IMAGE,
+    )
+
+
+def pvc_modelserver() -> dict[str, Any]:
+    return {
+        "apiVersion": "tokenkeep.dev/v1alpha1",
+        "kind": "ModelServer",
+        "metadata": {"name": "local"},
+        "spec": {
+            "model": {"uri": "pvc://weights/qwen3/8b", "servedName": "qwen3-8b"},
+            "cache": {"enabled": False},
+            "resources": {"gpus": 2},
+            "engine": {
+                "tensorParallelSize": 1,
+                "env": [{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}],
+            },
+            "scheduling": {"nodeSelector": {"gpu": "h100"}, "priorityClassName": "rl"},
+        },
+    }
+
+
+def external_sessionserver() -> dict[str, Any]:
+    return {
+        "apiVersion": "tokenkeep.dev/v1alpha1",
+        "kind": "SessionServer",
+        "metadata": {"name": "ext"},
+        "spec": {
+            "modelServerRef": {"name": "local"},
+            "tokenizer": "Qwen/Qwen3-8B",
+            "redis": {
+                "mode": "External",
+                "external": {"urlSecretRef": {"name": "r", "key": "url"}},
+            },
+            "maxSessions": 10000,
+            "serviceType": "LoadBalancer",
+        },
+    }
+
+
+SCENARIOS = {
+    "modelserver-qwen3-8b": lambda: render_modelserver(load_example("modelserver-qwen3-8b.yaml")),
+    "modelserver-llama-70b-tp4": lambda: render_modelserver(
+        load_example("modelserver-llama-70b-tp4.yaml")
+    ),
+    "modelserver-pvc-no-cache": lambda: render_modelserver(pvc_modelserver()),
+    "sessionserver-managed-redis": lambda: render_sessionserver(
+        load_example("sessionserver.yaml"), load_example("modelserver-qwen3-8b.yaml")
+    ),
+    "sessionserver-external-redis": lambda: render_sessionserver(
+        external_sessionserver(), pvc_modelserver()
+    ),
+}
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_rendered_objects_match_golden_files(scenario: str) -> None:
+    """Set UPDATE_GOLDEN=1 to rewrite them after an intended change, then review the diff."""
+    rendered = yaml.safe_dump_all(SCENARIOS[scenario](), sort_keys=True)
+    path = GOLDEN / f"{scenario}.yaml"
+    if os.environ.get("UPDATE_GOLDEN"):
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(rendered)
+    assert rendered == path.read_text()
+
+
+@pytest.mark.parametrize("scenario", sorted(SCENARIOS))
+def test_rendered_objects_are_valid_kubernetes_objects(scenario: str) -> None:
+    for obj in SCENARIOS[scenario]():
+        validate_builtin(obj)
+
+
+def _by_kind(objects: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(o["kind"], o["metadata"]["name"]): o for o in objects}
+
+
+def _flag(args: list[str], flag: str) -> str:
+    return args[args.index(flag) + 1]
+
+
+def test_vllm_runs_with_token_endpoints_parsers_and_consistent_gpus() -> None:
+    objects = _by_kind(render_modelserver(load_example("modelserver-llama-70b-tp4.yaml")))
+    pod = objects[("Deployment", "llama-70b-engine")]["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    args = container["args"]
+    assert args[0] == "meta-llama/Llama-3.3-70B-Instruct"
+    assert "--enable-scale-out" in args and "--enable-auto-tool-choice" in args
+    assert _flag(args, "--tool-call-parser") == "llama3_json"
+    assert _flag(args, "--tensor-parallel-size") == "4"
+    assert "--pipeline-parallel-size" not in args
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == "4"
+    token = next(e for e in container["env"] if e["name"] == "HF_TOKEN")
+    assert token["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
+    shm = next(v for v in pod["volumes"] if v["name"] == "shm")
+    assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
+
+
+def test_gpus_beyond_tensor_parallel_become_pipeline_stages() -> None:
+    args = render_modelserver(pvc_modelserver())[-1]["spec"]["template"]["spec"]["containers"][0][
+        "args"
+    ]
+    assert _flag(args, "--tensor-parallel-size") == "1"
+    assert _flag(args, "--pipeline-parallel-size") == "2"
+    assert args[0] == "/models/qwen3/8b"
+
+
+def test_slow_loads_survive_and_drains_finish_within_the_grace_period() -> None:
+    resource = load_example("modelserver-llama-70b-tp4.yaml")
+    spec = ModelServerSpec.model_validate(resource["spec"])
+    deployment = _by_kind(render_modelserver(resource))[("Deployment", "llama-70b-engine")]
+    pod = deployment["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= spec.startup_timeout_seconds
+    assert startup["httpGet"]["path"] == container["readinessProbe"]["httpGet"]["path"] == "/health"
+    pre_stop = int(container["lifecycle"]["preStop"]["exec"]["command"][1])
+    shutdown = int(_flag(container["args"], "--shutdown-timeout"))
+    assert shutdown == spec.drain_seconds
+    assert pod["terminationGracePeriodSeconds"] > pre_stop + shutdown
+    # The rollout waits for a replica as long as a replica may take to load.
+    assert deployment["spec"]["progressDeadlineSeconds"] > spec.startup_timeout_seconds
+
+
+def test_rollouts_never_need_spare_gpus() -> None:
+    deployment = render_modelserver(load_example("modelserver-qwen3-8b.yaml"))[-1]
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+
+
+def test_services_select_the_engine_pods_and_one_is_headless() -> None:
+    objects = render_modelserver(load_example("modelserver-qwen3-8b.yaml"))
+    deployment = objects[-1]
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    services = [o for o in objects if o["kind"] == "Service"]
+    assert len(services) == 2
+    for service in services:
+        assert service["spec"]["selector"].items() <= pod_labels.items()
+    headless = next(s for s in services if s["spec"].get("clusterIP") == "None")
+    assert headless["metadata"]["name"] == engine.pods_service_name("qwen3-8b")
+
+
+def test_cache_claim_is_owned_unless_retained() -> None:
+    resource = load_example("modelserver-qwen3-8b.yaml")
+    claim = _by_kind(render_modelserver(resource))[
+        ("PersistentVolumeClaim", "qwen3-8b-model-cache")
+    ]
+    assert claim["metadata"]["ownerReferences"][0]["kind"] == "ModelServer"
+    assert claim["spec"]["resources"]["requests"]["storage"] == "50Gi"
+    resource["spec"]["cache"]["retain"] = True
+    claim = _by_kind(render_modelserver(resource))[
+        ("PersistentVolumeClaim", "qwen3-8b-model-cache")
+    ]
+    assert "ownerReferences" not in claim["metadata"]
+
+
+def test_every_child_is_owned_and_labelled() -> None:
+    objects = render_modelserver(load_example("modelserver-qwen3-8b.yaml")) + render_sessionserver(
+        load_example("sessionserver.yaml"), load_example("modelserver-qwen3-8b.yaml")
+    )
+    for obj in objects:
+        assert obj["metadata"]["namespace"] == TEST_NAMESPACE
+        assert obj["metadata"]["labels"]["app.kubernetes.io/managed-by"] == "tokenkeep-operator"
+        assert obj["metadata"]["ownerReferences"][0]["controller"] is True
+
+
+def _session_env(objects: list[dict[str, Any]]) -> tuple[dict[str, str], list[dict[str, Any]]]:
+    data = next(o for o in objects if o["kind"] == "ConfigMap")["data"]
+    container = objects[-1]["spec"]["template"]["spec"]["containers"][0]
+    return data, container.get("env", [])
+
+
+def test_session_server_points_at_every_engine_replica_and_its_redis() -> None:
+    model_server = load_example("modelserver-qwen3-8b.yaml")
+    objects = render_sessionserver(load_example("sessionserver.yaml"), model_server)
+    data, env = _session_env(objects)
+    assert data["TOKENKEEP_ENGINE_URLS"] == f"http://qwen3-8b-engine-pods.{TEST_NAMESPACE}.svc:8000"
+    assert data["TOKENKEEP_MODEL"] == data["TOKENKEEP_TOKENIZER"] == "Qwen/Qwen3-8B"
+    assert data["TOKENKEEP_SAMPLING_OVERRIDES"] == '{"temperature":1.0,"top_p":1.0}'
+    assert data["TOKENKEEP_SESSION_TTL_SECONDS"] == "21600"
+    statefulset = next(o for o in objects if o["kind"] == "StatefulSet")
+    name = statefulset["metadata"]["name"]
+    assert data["TOKENKEEP_REDIS_URL"] == f"redis://{name}-0.{name}.{TEST_NAMESPACE}.svc:6379/0"
+    assert statefulset["spec"]["serviceName"] == name
+    assert "--appendonly" in statefulset["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert statefulset["spec"]["volumeClaimTemplates"][0]["spec"]["resources"] == {
+        "requests": {"storage": "20Gi"}
+    }
+    api_key = next(e for e in env if e["name"] == "TOKENKEEP_API_KEY")
+    assert api_key["valueFrom"]["secretKeyRef"] == {"name": "tokenkeep-api-key", "key": "api-key"}
+    container = objects[-1]["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == IMAGE
+    assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
+
+
+def test_external_redis_url_comes_from_its_secret_and_no_redis_is_run() -> None:
+    objects = render_sessionserver(external_sessionserver(), pvc_modelserver())
+    data, env = _session_env(objects)
+    assert "TOKENKEEP_REDIS_URL" not in data
+    assert {"kind": "StatefulSet"} not in [{"kind": o["kind"]} for o in objects]
+    redis_url = next(e for e in env if e["name"] == "TOKENKEEP_REDIS_URL")
+    assert redis_url["valueFrom"]["secretKeyRef"] == {"name": "r", "key": "url"}
+    assert data["TOKENKEEP_MODEL"] == "qwen3-8b"
+    assert data["TOKENKEEP_MAX_SESSIONS"] == "10000"
+
+
+def test_changed_settings_roll_the_session_pods() -> None:
+    model_server = load_example("modelserver-qwen3-8b.yaml")
+    resource = load_example("sessionserver.yaml")
+
+    def config_hash() -> str:
+        deployment = render_sessionserver(resource, model_server)[-1]
+        return deployment["spec"]["template"]["metadata"]["annotations"][
+            "tokenkeep.dev/config-hash"
+        ]
+
+    before = config_hash()
+    assert config_hash() == before
+    resource["spec"]["samplingOverrides"]["temperature"] = 0.7
+    assert config_hash() != before
+
+
+def test_pvc_model_needs_an_explicit_tokenizer() -> None:
+    resource = external_sessionserver()
+    del resource["spec"]["tokenizer"]
+    with pytest.raises(session.ConfigError, match=r"spec\.tokenizer is required"):
+        render_sessionserver(resource, pvc_modelserver())
+
+
+def test_redis_pvc_is_deleted_with_the_resource_unless_retained() -> None:
+    resource = load_example("sessionserver.yaml")
+    objects = render_sessionserver(resource, load_example("modelserver-qwen3-8b.yaml"))
+    policy = next(o for o in objects if o["kind"] == "StatefulSet")["spec"][
+        "persistentVolumeClaimRetentionPolicy"
+    ]
+    assert policy["whenDeleted"] == "Delete"
+    resource["spec"]["redis"]["managed"]["retain"] = True
+    objects = render_sessionserver(resource, load_example("modelserver-qwen3-8b.yaml"))
+    statefulset = next(o for o in objects if o["kind"] == "StatefulSet")
+    assert statefulset["spec"]["persistentVolumeClaimRetentionPolicy"]["whenDeleted"] == "Retain"
+    assert redis.url("rollouts", TEST_NAMESPACE).startswith("redis://rollouts-redis-0.")
