@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# `python -m` puts the working directory first on sys.path, where operator/ would shadow the
+# standard library module `operator`.
+export PYTHONSAFEPATH := 1
 
 .PHONY: demo test lint venv
 

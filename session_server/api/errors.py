@@ -1,102 +1,152 @@
-"""Failures as each API reports them.
+"""Errors in each API's own shape, and the mapping from core exceptions to HTTP statuses.
 
-Every front-end turns an exception into one `ApiFailure` (status, message, type, param) and
-then into its own wire shape: OpenAI's `{"error": {"message", "type", "param", "code"}}` for
-Chat Completions, Responses and Completions, Anthropic's
-`{"type": "error", "error": {"type", "message"}}` for Messages. Harness SDKs pick their
-exception class from the status and read the message from that shape, so both must match
-the real APIs.
+OpenAI clients (Chat Completions, Responses, Completions, session management) get
+`{"error": {"message", "type", "param", "code"}}`; Anthropic clients (`/messages`) get
+`{"type": "error", "error": {"type", "message"}}`. The front-end is chosen by path, so a
+malformed body is reported in the shape the caller's SDK can read.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
 from typing import Any
 
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from session_server.api.session_ids import InvalidSessionId, MissingSessionId
 from session_server.conversation import ConversationError
+from session_server.engines import EngineError
 from session_server.store.base import SessionNotFound
+from session_server.turns import ProofFailed, SessionMissing
 
+log = logging.getLogger(__name__)
 
-@dataclass(slots=True, frozen=True)
-class ApiFailure:
-    status: int
-    message: str
-    type: str = "invalid_request_error"
-    """OpenAI's error type vocabulary; Anthropic's is derived from the status."""
-    param: str | None = None
-
-
-def failure_from_exception(exc: BaseException) -> ApiFailure | None:
-    """The failure a known exception stands for; None for a bug (let it propagate)."""
-    if isinstance(exc, ValidationError):
-        return failure_from_validation(exc)
-    if isinstance(exc, ConversationError):
-        return ApiFailure(400, str(exc), param=exc.param)
-    if isinstance(exc, InvalidSessionId | MissingSessionId):
-        return ApiFailure(400, str(exc), param="session_id")
-    if isinstance(exc, SessionNotFound):
-        return ApiFailure(
-            404, f"session {exc.args[0] if exc.args else ''} not found", type="not_found_error"
-        )
-    status = getattr(exc, "status", None)
-    message = getattr(exc, "message", None)
-    if isinstance(status, int) and isinstance(message, str):
-        # session_server.engines.EngineError (the engine's own status and message).
-        return ApiFailure(status, message, type=getattr(exc, "type", None) or "api_error")
-    return None
-
-
-def failure_from_validation(exc: ValidationError) -> ApiFailure:
-    """One problem pydantic found, located the way both APIs' messages do
-    (`messages.0.content.1.type: ...`). Of several, the one that got deepest into the
-    request names the real mistake."""
-    worst = max(exc.errors(include_url=False), key=lambda error: len(error["loc"]))
-    location = ".".join(str(part) for part in worst["loc"])
-    message = f"{location}: {worst['msg']}" if location else worst["msg"]
-    return ApiFailure(400, message, param=location or None)
-
-
-def openai_error(failure: ApiFailure) -> JSONResponse:
-    return JSONResponse(openai_error_body(failure), status_code=failure.status)
-
-
-def openai_error_body(failure: ApiFailure) -> dict[str, Any]:
-    return {
-        "error": {
-            "message": failure.message,
-            "type": failure.type,
-            "param": failure.param,
-            "code": str(failure.status),
-        }
-    }
-
-
+_OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
 _ANTHROPIC_TYPES = {
     400: "invalid_request_error",
     401: "authentication_error",
-    402: "billing_error",
     403: "permission_error",
     404: "not_found_error",
-    408: "timeout_error",
     413: "request_too_large",
+    422: "invalid_request_error",
     429: "rate_limit_error",
-    500: "api_error",
-    503: "overloaded_error",
     529: "overloaded_error",
 }
 
 
-def anthropic_error(failure: ApiFailure) -> JSONResponse:
-    return JSONResponse(anthropic_error_body(failure), status_code=failure.status)
+class APIError(Exception):
+    def __init__(
+        self, status: int, message: str, *, param: str | None = None, type: str | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.type = type
 
 
-def anthropic_error_body(failure: ApiFailure) -> dict[str, Any]:
-    if failure.status in _ANTHROPIC_TYPES:
-        kind = _ANTHROPIC_TYPES[failure.status]
-    else:
-        kind = "invalid_request_error" if failure.status < 500 else "api_error"
-    return {"type": "error", "error": {"type": kind, "message": failure.message}}
+def is_anthropic_path(path: str) -> bool:
+    return path.endswith("/messages") or path.endswith("/messages/count_tokens")
+
+
+def error_body(
+    path: str, status: int, message: str, *, param: str | None = None, type: str | None = None
+) -> dict[str, Any]:
+    if is_anthropic_path(path):
+        kind = type if type in _ANTHROPIC_TYPES.values() else None
+        return {
+            "type": "error",
+            "error": {
+                "type": kind or _ANTHROPIC_TYPES.get(status, "api_error"),
+                "message": message,
+            },
+        }
+    return {
+        "error": {
+            "message": message,
+            "type": type or _OPENAI_TYPES.get(status, "server_error"),
+            "param": param,
+            "code": status,
+        }
+    }
+
+
+def error_response(
+    request: Request,
+    status: int,
+    message: str,
+    *,
+    param: str | None = None,
+    type: str | None = None,
+) -> JSONResponse:
+    return JSONResponse(
+        error_body(request.url.path, status, message, param=param, type=type), status_code=status
+    )
+
+
+def classify(exc: Exception) -> tuple[int, str, str | None, str | None]:
+    """(status, message, param, type) for an exception raised while serving a request."""
+    if isinstance(exc, APIError):
+        return exc.status, exc.message, exc.param, exc.type
+    if isinstance(exc, ConversationError):
+        return 400, str(exc), exc.param, None
+    if isinstance(exc, InvalidSessionId | MissingSessionId):
+        return 400, str(exc), "session_id", None
+    if isinstance(exc, SessionMissing | SessionNotFound):
+        return 404, f"session {exc.args[0]!r} not found", "session_id", None
+    if isinstance(exc, EngineError):
+        return exc.status, exc.message, None, exc.type
+    if isinstance(exc, ProofFailed):
+        return 502, str(exc), None, "engine_error"
+    log.exception("unhandled error", exc_info=exc)
+    return 500, f"internal error: {type(exc).__name__}", None, "server_error"
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    if first.get("type") == "json_invalid":
+        return "the request body is not valid JSON", None
+    return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return error_response(request, 400, message, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return error_response(request, exc.status_code, str(exc.detail))
+
+    async def _core(request: Request, exc: Exception) -> JSONResponse:
+        status, message, param, kind = classify(exc)
+        return error_response(request, status, message, param=param, type=kind)
+
+    for exc_type in (
+        APIError,
+        ConversationError,
+        InvalidSessionId,
+        MissingSessionId,
+        SessionMissing,
+        SessionNotFound,
+        EngineError,
+        ProofFailed,
+    ):
+        app.add_exception_handler(exc_type, _core)

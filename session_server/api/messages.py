@@ -21,23 +21,15 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeInt
 
-from session_server.api.bodies import json_object
-from session_server.api.errors import (
-    ApiFailure,
-    anthropic_error,
-    anthropic_error_body,
-    failure_from_exception,
-)
+from session_server.api.errors import classify, error_body
 from session_server.api.session_ids import check_session_id, session_id_from_headers
-from session_server.api.sse import event_stream, sse, started
+from session_server.api.sse import event_line, first_then_rest, sse_response
 from session_server.conversation import Conversation, ConversationError, Message, Tool, ToolCall
 from session_server.results import (
     ChoiceDelta,
@@ -48,8 +40,6 @@ from session_server.results import (
     StreamStarted,
     TurnResult,
 )
-
-log = logging.getLogger(__name__)
 
 router = APIRouter()
 
@@ -337,16 +327,24 @@ def message_response(result: TurnResult) -> dict[str, Any]:
     }
 
 
-async def message_stream(events: AsyncIterator[StreamEvent]) -> AsyncIterator[str]:
+def _event(data: dict[str, Any]) -> bytes:
+    # Anthropic names every event after its payload's type.
+    return event_line(data["type"], data)
+
+
+def _block_event(kind: str, index: int, **fields: Any) -> bytes:
+    return _event({"type": kind, "index": index, **fields})
+
+
+async def message_stream(events: AsyncIterator[StreamEvent]) -> AsyncIterator[bytes]:
     """Anthropic's event sequence: message_start, ping, per block content_block_start /
     content_block_delta / content_block_stop (thinking, then text, then each tool_use),
-    message_delta (stop_reason, usage, token_ids), message_stop. A failure after the start
-    is an `error` event, as Anthropic sends it."""
+    message_delta (stop_reason, usage, token_ids), message_stop."""
     index = -1
     open_kind: str | None = None
     thinking = ""
 
-    def open_block(kind: str) -> list[str]:
+    def open_block(kind: str) -> list[bytes]:
         nonlocal index, open_kind
         frames = close_block()
         index += 1
@@ -356,31 +354,21 @@ async def message_stream(events: AsyncIterator[StreamEvent]) -> AsyncIterator[st
             if kind == "text"
             else {"type": "thinking", "thinking": "", "signature": ""}
         )
-        frames.append(
-            sse(
-                {"type": "content_block_start", "index": index, "content_block": block},
-                "content_block_start",
-            )
-        )
+        frames.append(_block_event("content_block_start", index, content_block=block))
         return frames
 
-    def close_block() -> list[str]:
+    def close_block() -> list[bytes]:
         nonlocal open_kind
-        frames: list[str] = []
+        frames: list[bytes] = []
         if open_kind == "thinking":
             delta = {"type": "signature_delta", "signature": thinking_signature(thinking)}
-            frames.append(
-                sse(
-                    {"type": "content_block_delta", "index": index, "delta": delta},
-                    "content_block_delta",
-                )
-            )
+            frames.append(_block_event("content_block_delta", index, delta=delta))
         if open_kind is not None:
-            frames.append(sse({"type": "content_block_stop", "index": index}, "content_block_stop"))
+            frames.append(_block_event("content_block_stop", index))
         open_kind = None
         return frames
 
-    def text(kind: str, piece: str) -> list[str]:
+    def text(kind: str, piece: str) -> list[bytes]:
         nonlocal thinking
         if not piece:
             return []
@@ -390,114 +378,117 @@ async def message_stream(events: AsyncIterator[StreamEvent]) -> AsyncIterator[st
             delta = {"type": "thinking_delta", "thinking": piece}
         else:
             delta = {"type": "text_delta", "text": piece}
-        frames.append(
-            sse(
-                {"type": "content_block_delta", "index": index, "delta": delta},
-                "content_block_delta",
-            )
-        )
+        frames.append(_block_event("content_block_delta", index, delta=delta))
         return frames
 
-    try:
-        async for event in events:
-            frames: list[str] = []
-            if isinstance(event, StreamStarted):
-                message = {
-                    "id": message_id(event.response_id),
-                    "type": "message",
-                    "role": "assistant",
-                    "model": event.model,
-                    "content": [],
-                    "stop_reason": None,
-                    "stop_sequence": None,
-                    "usage": {
-                        "input_tokens": len(event.prompt_ids),
-                        "output_tokens": 0,
-                        "cache_creation_input_tokens": 0,
-                        "cache_read_input_tokens": 0,
-                    },
-                    "prompt_token_ids": event.prompt_ids,
-                }
-                frames.append(sse({"type": "message_start", "message": message}, "message_start"))
-                frames.append(sse({"type": "ping"}, "ping"))
-            elif isinstance(event, ChoiceDelta):
-                frames += text("thinking", event.reasoning) + text("text", event.content)
-            elif isinstance(event, ChoiceFinished):
-                frames += text("thinking", event.reasoning_tail)
-                frames += text("text", event.content_tail)
-                frames += close_block()
-                for call in event.message.tool_calls:
-                    index += 1
-                    block = {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
-                    delta = {
-                        "type": "input_json_delta",
-                        "partial_json": json.dumps(tool_input(call), ensure_ascii=False),
-                    }
-                    frames.append(
-                        sse(
-                            {"type": "content_block_start", "index": index, "content_block": block},
-                            "content_block_start",
-                        )
-                    )
-                    frames.append(
-                        sse(
-                            {"type": "content_block_delta", "index": index, "delta": delta},
-                            "content_block_delta",
-                        )
-                    )
-                    frames.append(
-                        sse({"type": "content_block_stop", "index": index}, "content_block_stop")
-                    )
-            elif isinstance(event, StreamFinished):
-                choice = event.result.choices[0]
-                reason, sequence = stop_reason(choice, choice.stop_reason)
+    async for event in events:
+        frames: list[bytes] = []
+        if isinstance(event, StreamStarted):
+            message = {
+                "id": message_id(event.response_id),
+                "type": "message",
+                "role": "assistant",
+                "model": event.model,
+                "content": [],
+                "stop_reason": None,
+                "stop_sequence": None,
+                "usage": {
+                    "input_tokens": len(event.prompt_ids),
+                    "output_tokens": 0,
+                    "cache_creation_input_tokens": 0,
+                    "cache_read_input_tokens": 0,
+                },
+                "prompt_token_ids": event.prompt_ids,
+            }
+            frames.append(_event({"type": "message_start", "message": message}))
+            frames.append(_event({"type": "ping"}))
+        elif isinstance(event, ChoiceDelta):
+            frames += text("thinking", event.reasoning) + text("text", event.content)
+        elif isinstance(event, ChoiceFinished):
+            frames += text("thinking", event.reasoning_tail)
+            frames += text("text", event.content_tail)
+            frames += close_block()
+            for call in event.message.tool_calls:
+                index += 1
+                block = {"type": "tool_use", "id": call.id, "name": call.name, "input": {}}
+                arguments = json.dumps(tool_input(call), ensure_ascii=False)
+                frames.append(_block_event("content_block_start", index, content_block=block))
                 frames.append(
-                    sse(
-                        {
-                            "type": "message_delta",
-                            "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                            "usage": usage(event.result),
-                            "token_ids": choice.token_ids,
-                        },
-                        "message_delta",
+                    _block_event(
+                        "content_block_delta",
+                        index,
+                        delta={"type": "input_json_delta", "partial_json": arguments},
                     )
                 )
-                frames.append(sse({"type": "message_stop"}, "message_stop"))
-            for frame in frames:
-                yield frame
-    except Exception as exc:  # the status line is gone: report it in-band
-        failure = failure_from_exception(exc)
-        if failure is None:
-            log.exception("stream failed")
-            failure = ApiFailure(500, "internal error while streaming", type="api_error")
-        yield sse(anthropic_error_body(failure), "error")
+                frames.append(_block_event("content_block_stop", index))
+        elif isinstance(event, StreamFinished):
+            choice = event.result.choices[0]
+            reason, sequence = stop_reason(choice, choice.stop_reason)
+            frames.append(
+                _event(
+                    {
+                        "type": "message_delta",
+                        "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                        "usage": usage(event.result),
+                        "token_ids": choice.token_ids,
+                    }
+                )
+            )
+            frames.append(_event({"type": "message_stop"}))
+        for frame in frames:
+            yield frame
 
 
 # --- routes ------------------------------------------------------------------------------
 
 
-async def _create(request: Request, session_id: Callable[[], str]) -> Response:
-    try:
-        sid = session_id()
-        wire = MessagesRequest.model_validate(await json_object(request))
-        conversation = conversation_from_request(wire)
-        turns = request.app.state.turns
-        if conversation.stream:
-            return event_stream(message_stream(await started(turns.stream(sid, conversation))))
-        result = await turns.complete(sid, conversation)
-    except Exception as exc:
-        failure = failure_from_exception(exc)
-        if failure is None:
-            raise
-        return anthropic_error(failure)
-    return JSONResponse(message_response(result))
+async def _serve(session_id: str, wire: MessagesRequest, request: Request) -> Any:
+    conversation = conversation_from_request(wire)
+    service = request.app.state.turns
+    request.state.session_id = session_id
+    request.state.api = "messages"
+    if not conversation.stream:
+        result = await service.complete(session_id, conversation)
+        request.state.turn_kind = result.kind
+        return message_response(result)
+    events = await first_then_rest(service.stream(session_id, conversation))
+
+    def on_error(exc: Exception) -> bytes:
+        # The status line is gone: Anthropic reports a failure mid-stream as an event.
+        status, message, param, kind = classify(exc)
+        return event_line(
+            "error", error_body(request.url.path, status, message, param=param, type=kind)
+        )
+
+    return sse_response(message_stream(events), on_error)
+
+
+async def _count_tokens(session_id: str, wire: CountTokensRequest, request: Request) -> Any:
+    """The prompt the conversation renders to by itself; a later turn that continues stored
+    tokens can differ by the few tokens the bridge frames differently."""
+    conversation = conversation_from_request(wire)
+    service = request.app.state.turns
+    request.state.session_id = session_id
+    request.state.api = "messages"
+    prompt = service.model.render_prompt(conversation.messages, conversation.tools)
+    return {"input_tokens": len(prompt)}
 
 
 @router.post("/sessions/{session_id}/v1/messages")
-async def create_message_in_session(session_id: str, request: Request) -> Response:
-    return await _create(request, lambda: check_session_id(session_id))
+async def session_messages(session_id: str, body: MessagesRequest, request: Request) -> Any:
+    return await _serve(check_session_id(session_id), body, request)
 
 
 @router.post("/v1/messages")
-async def create_message(request: Request) -> Response:
-    return await _create(request, lambda: session_id_from_headers(request))
+async def messages(body: MessagesRequest, request: Request) -> Any:
+    return await _serve(session_id_from_headers(request), body, request)
+
+
+@router.post("/sessions/{session_id}/v1/messages/count_tokens")
+async def session_count_tokens(session_id: str, body: CountTokensRequest, request: Request) -> Any:
+    return await _count_tokens(check_session_id(session_id), body, request)
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, request: Request) -> Any:
+    return await _count_tokens(session_id_from_headers(request), body, request)

@@ -11,7 +11,8 @@ Mapping:
   with reasoning, content and tool calls; `function_call_output` -> a `role: "tool"`
   message. `instructions` -> a leading system message.
 - `previous_response_id` -> `Conversation.previous_response_id` (the core's raw response
-  id: the `resp_` prefix is stripped); the messages are then only the new items.
+  id: the `resp_` prefix is stripped); the messages are then only the new items, without
+  `instructions` (the continued turn's stored prompt holds the ones it was sampled with).
 - `max_output_tokens` -> `max_tokens`; `temperature`, `top_p` keep their names;
   `text.format` json_schema / json_object -> a structured-output constraint.
 - Output: a `reasoning` item (reasoning_text content), a `message` item (one output_text
@@ -20,12 +21,10 @@ Mapping:
 
 from __future__ import annotations
 
-import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -36,14 +35,9 @@ from pydantic import (
     Tag,
 )
 
-from session_server.api.bodies import json_object
-from session_server.api.errors import (
-    ApiFailure,
-    failure_from_exception,
-    openai_error,
-)
+from session_server.api.errors import classify
 from session_server.api.session_ids import check_session_id, session_id_from_headers
-from session_server.api.sse import event_stream, sse, started
+from session_server.api.sse import event_line, first_then_rest, sse_response
 from session_server.conversation import Conversation, ConversationError, Message, Tool, ToolCall
 from session_server.results import (
     ChoiceDelta,
@@ -53,8 +47,6 @@ from session_server.results import (
     StreamStarted,
     TurnResult,
 )
-
-log = logging.getLogger(__name__)
 
 router = APIRouter()
 
@@ -183,7 +175,9 @@ def conversation_from_request(request: ResponsesRequest) -> Conversation:
     if request.background:
         raise ConversationError("background responses are not supported", param="background")
     messages: list[Message] = []
-    if request.instructions:
+    # A continued response's stored prompt already holds the instructions it was sampled
+    # with (clients resend them on every call); only the new items are appended to it.
+    if request.instructions and not request.previous_response_id:
         messages.append(Message(role="system", content=request.instructions))
     messages += messages_from_items(request.input)
     return Conversation(
@@ -414,40 +408,84 @@ def response_from_result(request: ResponsesRequest, result: TurnResult) -> dict[
     )
 
 
-async def response_stream(
-    request: ResponsesRequest, events: AsyncIterator[StreamEvent]
-) -> AsyncIterator[str]:
+class ResponseStream:
     """The Responses event sequence: response.created, response.in_progress; per output
     item output_item.added, (content_part.added, *_text.delta..., *_text.done,
     content_part.done | function_call_arguments.delta, .done), output_item.done; then
     response.completed (or response.incomplete when max_output_tokens cut it short).
-    A failure after the start is an `error` event."""
-    sequence = 0
-    output: list[dict[str, Any]] = []
-    open_kind: str | None = None
-    open_text = ""
-    result_id = ""
+    Every event carries the next `sequence_number`, the `error` event for a failure after
+    the start included."""
 
-    def frame(kind: str, **fields: Any) -> str:
-        nonlocal sequence
-        sequence += 1
-        return sse({"type": kind, "sequence_number": sequence - 1, **fields}, kind)
+    def __init__(self, request: ResponsesRequest) -> None:
+        self.request = request
+        self.sequence = 0
+        self.output: list[dict[str, Any]] = []
+        self.open_kind: str | None = None
+        self.open_text = ""
+        self.result_id = ""
 
-    def open_item(kind: str) -> list[str]:
-        nonlocal open_kind, open_text
-        frames = close_item()
-        open_kind, open_text = kind, ""
+    async def frames(self, events: AsyncIterator[StreamEvent]) -> AsyncIterator[bytes]:
+        async for event in events:
+            for frame in self._frames(event):
+                yield frame
+
+    def error(self, exc: Exception) -> bytes:
+        status, message, param, kind = classify(exc)
+        return self._frame("error", code=kind or str(status), message=message, param=param)
+
+    def _frames(self, event: StreamEvent) -> list[bytes]:
+        frames: list[bytes] = []
+        if isinstance(event, StreamStarted):
+            self.result_id = event.response_id
+            response = response_object(
+                self.request,
+                result_id=event.response_id,
+                created=event.created,
+                model=event.model,
+                status="in_progress",
+                output=[],
+            )
+            response["prompt_token_ids"] = event.prompt_ids
+            frames.append(self._frame("response.created", response=response))
+            frames.append(self._frame("response.in_progress", response=response))
+        elif isinstance(event, ChoiceDelta):
+            frames += self._text("reasoning", event.reasoning)
+            frames += self._text("message", event.content)
+        elif isinstance(event, ChoiceFinished):
+            frames += self._text("reasoning", event.reasoning_tail)
+            frames += self._text("message", event.content_tail)
+            has_message = any(item["type"] == "message" for item in self.output)
+            if not event.message.tool_calls and not has_message and self.open_kind != "message":
+                frames += self._open("message")  # an empty reply is still a message
+            frames += self._close()
+            for call in event.message.tool_calls:
+                frames += self._function_call(call)
+        elif isinstance(event, StreamFinished):
+            final = response_from_result(self.request, event.result)
+            kind = (
+                "response.completed" if final["status"] == "completed" else ("response.incomplete")
+            )
+            frames.append(self._frame(kind, response=final))
+        return frames
+
+    def _frame(self, kind: str, **fields: Any) -> bytes:
+        self.sequence += 1
+        return event_line(kind, {"type": kind, "sequence_number": self.sequence - 1, **fields})
+
+    def _open(self, kind: str) -> list[bytes]:
+        frames = self._close()
+        self.open_kind, self.open_text = kind, ""
         if kind == "reasoning":
-            item = {**reasoning_item(result_id, ""), "content": [], "status": "in_progress"}
+            item = {**reasoning_item(self.result_id, ""), "content": [], "status": "in_progress"}
             part = {"type": "reasoning_text", "text": ""}
         else:
-            item = message_item(result_id, "", status="in_progress")
+            item = message_item(self.result_id, "", status="in_progress")
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        output.append(item)
-        position = {"output_index": len(output) - 1}
-        frames.append(frame("response.output_item.added", item=item, **position))
+        self.output.append(item)
+        position = {"output_index": len(self.output) - 1}
+        frames.append(self._frame("response.output_item.added", item=item, **position))
         frames.append(
-            frame(
+            self._frame(
                 "response.content_part.added",
                 item_id=item["id"],
                 content_index=0,
@@ -457,41 +495,37 @@ async def response_stream(
         )
         return frames
 
-    def close_item() -> list[str]:
-        nonlocal open_kind
-        if open_kind is None:
+    def _close(self) -> list[bytes]:
+        if self.open_kind is None:
             return []
-        if open_kind == "reasoning":
-            item, text_event = reasoning_item(result_id, open_text), "response.reasoning_text"
-            part = item["content"][0]
+        if self.open_kind == "reasoning":
+            item, text_event = reasoning_item(self.result_id, self.open_text), "reasoning_text"
+            extra: dict[str, Any] = {}
         else:
-            item, text_event = message_item(result_id, open_text), "response.output_text"
-            part = item["content"][0]
-        output[-1] = item
-        position = {"item_id": item["id"], "output_index": len(output) - 1, "content_index": 0}
-        extra = {"logprobs": []} if open_kind == "message" else {}
-        open_kind = None
+            item, text_event = message_item(self.result_id, self.open_text), "output_text"
+            extra = {"logprobs": []}
+        self.open_kind = None
+        self.output[-1] = item
+        index = len(self.output) - 1
+        position = {"item_id": item["id"], "output_index": index, "content_index": 0}
         return [
-            frame(text_event + ".done", text=open_text, **position, **extra),
-            frame("response.content_part.done", part=part, **position),
-            frame("response.output_item.done", item=item, output_index=len(output) - 1),
+            self._frame(f"response.{text_event}.done", text=self.open_text, **position, **extra),
+            self._frame("response.content_part.done", part=item["content"][0], **position),
+            self._frame("response.output_item.done", item=item, output_index=index),
         ]
 
-    def text(kind: str, piece: str) -> list[str]:
-        nonlocal open_text
+    def _text(self, kind: str, piece: str) -> list[bytes]:
         if not piece:
             return []
-        frames = open_item(kind) if open_kind != kind else []
-        open_text += piece
-        event = (
-            "response.reasoning_text.delta" if kind == "reasoning" else "response.output_text.delta"
-        )
+        frames = self._open(kind) if self.open_kind != kind else []
+        self.open_text += piece
+        event = "reasoning_text" if kind == "reasoning" else "output_text"
         extra = {"logprobs": []} if kind == "message" else {}
         frames.append(
-            frame(
-                event,
-                item_id=output[-1]["id"],
-                output_index=len(output) - 1,
+            self._frame(
+                f"response.{event}.delta",
+                item_id=self.output[-1]["id"],
+                output_index=len(self.output) - 1,
                 content_index=0,
                 delta=piece,
                 **extra,
@@ -499,102 +533,55 @@ async def response_stream(
         )
         return frames
 
-    try:
-        async for event in events:
-            frames: list[str] = []
-            if isinstance(event, StreamStarted):
-                result_id = event.response_id
-                response = response_object(
-                    request,
-                    result_id=result_id,
-                    created=event.created,
-                    model=event.model,
-                    status="in_progress",
-                    output=[],
-                )
-                response["prompt_token_ids"] = event.prompt_ids
-                frames.append(frame("response.created", response=response))
-                frames.append(frame("response.in_progress", response=response))
-            elif isinstance(event, ChoiceDelta):
-                frames += text("reasoning", event.reasoning) + text("message", event.content)
-            elif isinstance(event, ChoiceFinished):
-                frames += text("reasoning", event.reasoning_tail)
-                frames += text("message", event.content_tail)
-                if (
-                    not event.message.tool_calls
-                    and not any(item["type"] == "message" for item in output)
-                    and open_kind != "message"
-                ):
-                    frames += open_item("message")  # an empty reply is still a message
-                frames += close_item()
-                for call in event.message.tool_calls:
-                    output.append(function_call_item(call, status="in_progress"))
-                    position = {"output_index": len(output) - 1}
-                    item_id = output[-1]["id"]
-                    frames.append(frame("response.output_item.added", item=output[-1], **position))
-                    frames.append(
-                        frame(
-                            "response.function_call_arguments.delta",
-                            item_id=item_id,
-                            delta=call.arguments,
-                            **position,
-                        )
-                    )
-                    frames.append(
-                        frame(
-                            "response.function_call_arguments.done",
-                            item_id=item_id,
-                            name=call.name,
-                            arguments=call.arguments,
-                            **position,
-                        )
-                    )
-                    output[-1] = function_call_item(call)
-                    frames.append(frame("response.output_item.done", item=output[-1], **position))
-            elif isinstance(event, StreamFinished):
-                final = response_from_result(request, event.result)
-                kind = (
-                    "response.completed"
-                    if final["status"] == "completed"
-                    else "response.incomplete"
-                )
-                frames.append(frame(kind, response=final))
-            for piece in frames:
-                yield piece
-    except Exception as exc:  # the status line is gone: report it in-band
-        failure = failure_from_exception(exc)
-        if failure is None:
-            log.exception("stream failed")
-            failure = ApiFailure(500, "internal error while streaming", type="server_error")
-        yield frame("error", code=failure.type, message=failure.message, param=failure.param)
+    def _function_call(self, call: ToolCall) -> list[bytes]:
+        self.output.append(function_call_item(call, status="in_progress"))
+        index = len(self.output) - 1
+        item_id = self.output[index]["id"]
+        frames = [
+            self._frame("response.output_item.added", item=self.output[index], output_index=index),
+            self._frame(
+                "response.function_call_arguments.delta",
+                item_id=item_id,
+                output_index=index,
+                delta=call.arguments,
+            ),
+            self._frame(
+                "response.function_call_arguments.done",
+                item_id=item_id,
+                output_index=index,
+                name=call.name,
+                arguments=call.arguments,
+            ),
+        ]
+        self.output[index] = function_call_item(call)
+        frames.append(
+            self._frame("response.output_item.done", item=self.output[index], output_index=index)
+        )
+        return frames
 
 
 # --- routes ------------------------------------------------------------------------------
 
 
-async def _create(request: Request, session_id: Callable[[], str]) -> Response:
-    try:
-        sid = session_id()
-        wire = ResponsesRequest.model_validate(await json_object(request))
-        conversation = conversation_from_request(wire)
-        turns = request.app.state.turns
-        if conversation.stream:
-            events = await started(turns.stream(sid, conversation))
-            return event_stream(response_stream(wire, events))
-        result = await turns.complete(sid, conversation)
-    except Exception as exc:
-        failure = failure_from_exception(exc)
-        if failure is None:
-            raise
-        return openai_error(failure)
-    return JSONResponse(response_from_result(wire, result))
+async def _serve(session_id: str, wire: ResponsesRequest, request: Request) -> Any:
+    conversation = conversation_from_request(wire)
+    service = request.app.state.turns
+    request.state.session_id = session_id
+    request.state.api = "responses"
+    if not conversation.stream:
+        result = await service.complete(session_id, conversation)
+        request.state.turn_kind = result.kind
+        return response_from_result(wire, result)
+    events = await first_then_rest(service.stream(session_id, conversation))
+    stream = ResponseStream(wire)
+    return sse_response(stream.frames(events), stream.error)
 
 
 @router.post("/sessions/{session_id}/v1/responses")
-async def create_response_in_session(session_id: str, request: Request) -> Response:
-    return await _create(request, lambda: check_session_id(session_id))
+async def session_responses(session_id: str, body: ResponsesRequest, request: Request) -> Any:
+    return await _serve(check_session_id(session_id), body, request)
 
 
 @router.post("/v1/responses")
-async def create_response(request: Request) -> Response:
-    return await _create(request, lambda: session_id_from_headers(request))
+async def responses(body: ResponsesRequest, request: Request) -> Any:
+    return await _serve(session_id_from_headers(request), body, request)

@@ -36,7 +36,10 @@ def session_id_from_headers(request: Request) -> str:
     header = request.headers.get("x-session-id")
     if header:
         return check_session_id(header.strip())
-    for key in (request.headers.get("x-api-key"), _bearer(request.headers.get("authorization"))):
+    for key in (
+        request.headers.get("x-api-key"),
+        bearer_token(request.headers.get("authorization")),
+    ):
         if key and key.startswith(API_KEY_PREFIX):
             return check_session_id(key[len(API_KEY_PREFIX) :])
     raise MissingSessionId(
@@ -45,7 +48,7 @@ def session_id_from_headers(request: Request) -> str:
     )
 
 
-def _bearer(value: str | None) -> str | None:
+def bearer_token(value: str | None) -> str | None:
     if value and value[:7].lower() == "bearer ":
         return value[7:].strip()
     return None

@@ -1,52 +1,58 @@
-"""Server-sent events shared by the streaming front-ends.
-
-A stream's HTTP status is sent before its first byte, so a request the core rejects (bad
-conversation, unknown session, engine refusal) must fail before the response starts:
-`started` waits for the core's first event and lets its exception through while the
-front-end can still answer with a proper status and its API's error shape.
-"""
+"""Server-sent events shared by the streaming front-ends."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-T = TypeVar("T")
+from session_server.results import StreamEvent
+
+DONE = b"data: [DONE]\n\n"
 
 
-def sse(data: dict[str, Any] | str, event: str | None = None) -> str:
-    """One event; `event:` is named for Anthropic and Responses streams, absent for Chat."""
-    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)
-    return (f"event: {event}\n" if event else "") + f"data: {payload}\n\n"
+def data_line(payload: dict[str, Any]) -> bytes:
+    return (
+        b"data: "
+        + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
+        + b"\n\n"
+    )
 
 
-async def started(events: AsyncIterator[T]) -> AsyncIterator[T]:
-    """Wait for the first event (raising what the core raised before anything was sent),
-    then return an iterator over every event, that first one included."""
+def event_line(event: str, payload: dict[str, Any]) -> bytes:
+    body = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
+    return f"event: {event}\ndata: {body}\n\n".encode()
+
+
+async def first_then_rest(events: AsyncIterator[StreamEvent]) -> AsyncIterator[StreamEvent]:
+    """Pull the first event now, so errors before generation starts (bad input, unknown
+    session, engine refusal) become ordinary HTTP errors instead of a broken stream."""
     first = await anext(events)
 
-    async def replay() -> AsyncIterator[T]:
+    async def chained() -> AsyncIterator[StreamEvent]:
+        yield first
+        async for event in events:
+            yield event
+
+    return chained()
+
+
+def sse_response(
+    chunks: AsyncIterator[bytes], on_error: Callable[[Exception], bytes]
+) -> StreamingResponse:
+    """Stream `chunks`; an error after the stream started is sent as one last event."""
+
+    async def body() -> AsyncIterator[bytes]:
         try:
-            yield first
-            async for event in events:
-                yield event
-        finally:
-            # A client that hangs up closes this iterator; close the core's one with it so
-            # the engine request is cancelled now rather than at garbage collection.
-            aclose = getattr(events, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            async for chunk in chunks:
+                yield chunk
+        except Exception as exc:  # the status line is gone: report in-band, as vLLM does
+            yield on_error(exc)
 
-    return replay()
-
-
-def event_stream(body: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(
-        body,
+        body(),
         media_type="text/event-stream",
-        # Proxies (nginx, ingress) must not buffer a token stream.
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )

@@ -83,8 +83,11 @@ class LookupResult:
 class SessionCounters:
     turns: int
     segments: int
+    """How many stored turns have `segment_start`."""
     breaks: dict[str, int]
+    """Turns per `break_reason` (turns without one are not counted)."""
     tokens: int
+    """Tokens stored: the sum of len(prompt_delta) + len(completion_ids) over all turns."""
 
 
 class SessionNotFound(KeyError):
@@ -95,8 +98,19 @@ class SessionExists(ValueError):
     pass
 
 
+class UnknownParent(ValueError):
+    """An appended turn names a parent the session does not hold; nothing was stored."""
+
+
 class SessionStore(Protocol):
-    """Storage of sessions and their turn trees. All methods are atomic per call."""
+    """Storage of sessions and their turn trees. All methods are atomic per call.
+
+    Every method that reads or writes a session's turns (lookup, append_turns, resolve_key,
+    all_turns, get_turns, counters) raises SessionNotFound when the session does not exist
+    or has expired. Records come back as stored: logprobs as float32 values, `extra` after
+    a JSON round trip, `turn_id` set. The TTL slides: it counts from the session's creation
+    or last append; reads do not extend it.
+    """
 
     async def create_session(self, meta: SessionMeta) -> SessionMeta:
         """Create; raises SessionExists if the id is taken."""
@@ -123,7 +137,11 @@ class SessionStore(Protocol):
         ids, index turn `i` under every key in `keys[i]` (reply key, input key, response
         id...; a key already stored keeps its first turn), refresh the session's TTL and
         update its counters. Returns the allocated ids in order. Either everything is stored
-        or nothing is. Raises SessionNotFound if the session is gone."""
+        or nothing is. Raises SessionNotFound if the session is gone, UnknownParent if a
+        turn's parent_id is not in the session, ValueError on malformed turns (no turns, a
+        key list per turn missing, token IDs outside [0, 2**32), logprobs not one per
+        completion token). The `turn_id` of the records passed in is ignored and left
+        unchanged."""
         ...
 
     async def resolve_key(self, session_id: str, key: str) -> int | None:

@@ -14,7 +14,7 @@ import openai
 import pytest
 from fastapi import FastAPI
 
-from session_server.api import responses
+from session_server.api import errors, responses
 from session_server.conversation import Message
 from session_server.results import StreamEvent
 from tests.api.core_results import aiter_events, stream_events, turn_result, weather_call
@@ -177,6 +177,7 @@ def test_string_input_and_previous_response() -> None:
     )
     assert [(m.role, m.content) for m in conversation.messages] == [("user", "next")]
     assert conversation.previous_response_id == "abc123"
+    assert conversation.messages[0].role == "user"  # the stored prompt has the instructions
 
 
 def test_token_aware_fields_are_parsed() -> None:
@@ -246,7 +247,8 @@ def test_length_is_incomplete() -> None:
 
 
 async def streamed(request: responses.ResponsesRequest, events: list[StreamEvent]) -> str:
-    return "".join([f async for f in responses.response_stream(request, aiter_events(events))])
+    frames = responses.ResponseStream(request).frames(aiter_events(events))
+    return b"".join([frame async for frame in frames]).decode()
 
 
 async def test_stream_event_sequence() -> None:
@@ -341,25 +343,6 @@ async def test_stream_of_empty_reply_still_has_a_message() -> None:
     assert final.output_text == ""
 
 
-async def test_failure_after_start_is_an_error_event() -> None:
-    request = wire({"model": "m", "input": "hi"})
-    result = turn_result(Message("assistant", "x"))
-
-    async def failing():
-        yield stream_events(result, reasoning_pieces=[], content_pieces=["x"])[0]
-
-        class EngineGone(Exception):
-            status, message, type = 503, "engine went away", "server_error"
-
-        raise EngineGone()
-
-    body = "".join([f async for f in responses.response_stream(request, failing())])
-    with client_for(Capture(body)).responses.stream(model="m", input="hi") as stream:
-        events = list(stream)
-    assert events[-1].type == "error"
-    assert (events[-1].message, events[-1].code) == ("engine went away", "server_error")
-
-
 # --- errors, through the routes ----------------------------------------------------------
 
 
@@ -367,6 +350,7 @@ async def test_failure_after_start_is_an_error_event() -> None:
 def async_client() -> openai.AsyncOpenAI:
     """The routes alone: every request here is refused before it reaches the core."""
     app = FastAPI()
+    errors.install(app)
     app.include_router(responses.router)
     return openai.AsyncOpenAI(
         api_key="tk-s1",
@@ -417,6 +401,7 @@ async def test_bad_requests_get_openai_errors(
 
 async def test_session_errors() -> None:
     app = FastAPI()
+    errors.install(app)
     app.include_router(responses.router)
     async with httpx2.AsyncClient(
         transport=httpx2.ASGITransport(app=app), base_url="http://t"

@@ -1,0 +1,439 @@
+"""OpenAI Chat Completions front-end: wire format <-> internal conversation. No splicing."""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from session_server.api.errors import classify, error_body
+from session_server.api.session_ids import check_session_id, session_id_from_headers
+from session_server.api.sse import DONE, data_line, first_then_rest, sse_response
+from session_server.conversation import Conversation, ConversationError, Message, Tool, ToolCall
+from session_server.results import (
+    ChoiceDelta,
+    ChoiceFinished,
+    ChoiceResult,
+    StreamFinished,
+    StreamStarted,
+    TurnResult,
+)
+
+router = APIRouter()
+
+
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str | dict[str, Any] = ""
+
+
+class ToolCallIn(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    id: str = ""
+    type: str = "function"
+    function: FunctionCall
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: str
+    text: str | None = None
+
+
+class ChatMessageIn(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    prompt_token_ids: list[int] | None = None
+    generation_token_ids: list[int] | None = None
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class ToolDef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class ChatCompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    messages: list[ChatMessageIn] = Field(min_length=1)
+    tools: list[ToolDef] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = None
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    n: int = Field(default=1, ge=1, le=128)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    required_prefix_token_ids: list[int] | None = None
+
+
+def _text(content: str | list[ContentPart] | None) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if part.type not in ("text", "input_text", "output_text"):
+            raise ConversationError(
+                f"content part type {part.type!r} is not supported (text only)",
+                param="messages.content",
+            )
+        parts.append(part.text or "")
+    return "".join(parts)
+
+
+def _arguments(value: str | dict[str, Any]) -> str:
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False)
+
+
+def to_conversation(body: ChatCompletionRequest) -> Conversation:
+    messages: list[Message] = []
+    for m in body.messages:
+        role = {"developer": "system", "function": "tool"}.get(m.role, m.role)
+        messages.append(
+            Message(
+                role=role,  # type: ignore[arg-type]
+                content=_text(m.content),
+                reasoning=m.reasoning_content or m.reasoning,
+                tool_calls=[
+                    ToolCall(
+                        id=c.id, name=c.function.name, arguments=_arguments(c.function.arguments)
+                    )
+                    for c in m.tool_calls or []
+                ],
+                tool_call_id=m.tool_call_id,
+                name=m.name,
+                prompt_token_ids=m.prompt_token_ids,
+                generation_token_ids=m.generation_token_ids,
+            )
+        )
+    sampling: dict[str, Any] = {}
+    for key in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+    ):
+        value = getattr(body, key)
+        if value is not None:
+            sampling[key] = value
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    if max_tokens is not None:
+        sampling["max_tokens"] = max_tokens
+    if body.stop:
+        sampling["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop)
+    return Conversation(
+        messages=messages,
+        tools=[
+            Tool(
+                name=t.function.name,
+                description=t.function.description or "",
+                parameters=t.function.parameters or {},
+            )
+            for t in body.tools or []
+        ],
+        tool_choice=body.tool_choice,
+        sampling=sampling,
+        n=body.n,
+        logprobs=body.logprobs,
+        top_logprobs=body.top_logprobs or 0,
+        response_format=body.structured_outputs or _structured(body.response_format),
+        stream=body.stream,
+        api="chat",
+        model=body.model,
+        required_prefix_token_ids=body.required_prefix_token_ids,
+    )
+
+
+def _structured(response_format: dict[str, Any] | None) -> dict[str, Any] | None:
+    """OpenAI `response_format` as a vLLM structured-output constraint."""
+    if not response_format:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        schema = (response_format.get("json_schema") or {}).get("schema")
+        if not isinstance(schema, dict):
+            raise ConversationError(
+                "response_format.json_schema.schema must be an object", param="response_format"
+            )
+        return {"json": schema}
+    raise ConversationError(f"unknown response_format type {kind!r}", param="response_format")
+
+
+# --- responses ---------------------------------------------------------------------------
+
+
+def _message_out(choice: ChoiceResult) -> dict[str, Any]:
+    m = choice.message
+    out: dict[str, Any] = {"role": "assistant", "content": m.content or None}
+    if m.reasoning:
+        out["reasoning_content"] = m.reasoning
+    if m.tool_calls:
+        out["tool_calls"] = [_tool_call_out(c) for c in m.tool_calls]
+    return out
+
+
+def _tool_call_out(call: ToolCall, index: int | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "id": call.id,
+        "type": "function",
+        "function": {"name": call.name, "arguments": call.arguments},
+    }
+    if index is not None:
+        out["index"] = index
+    return out
+
+
+def _logprobs_out(model: Any, token_ids: list[int], logprobs: list[float]) -> dict[str, Any]:
+    entries = []
+    for token, lp in zip(token_ids, logprobs, strict=False):
+        text = model.decode([token])
+        entries.append(
+            {
+                "token": text,
+                "logprob": None if lp is None or math.isnan(lp) else lp,
+                "bytes": list(text.encode("utf-8", "surrogatepass")),
+                "top_logprobs": [],
+            }
+        )
+    return {"content": entries}
+
+
+def _completion_id(response_id: str) -> str:
+    return "chatcmpl-" + response_id
+
+
+def _tokenkeep_info(result_or_start: TurnResult | StreamStarted) -> dict[str, Any]:
+    return {"kind": result_or_start.kind, "break_reason": result_or_start.break_reason}
+
+
+def format_result(result: TurnResult, conversation: Conversation, model: Any) -> dict[str, Any]:
+    choices = []
+    for c in result.choices:
+        choice: dict[str, Any] = {
+            "index": c.index,
+            "message": _message_out(c),
+            "finish_reason": c.finish_reason,
+            "logprobs": _logprobs_out(model, c.token_ids, c.logprobs)
+            if conversation.logprobs
+            else None,
+            "token_ids": c.token_ids,
+        }
+        choices.append(choice)
+    return {
+        "id": _completion_id(result.response_id),
+        "object": "chat.completion",
+        "created": result.created,
+        "model": result.model,
+        "choices": choices,
+        "usage": {
+            "prompt_tokens": result.prompt_tokens,
+            "completion_tokens": result.completion_tokens,
+            "total_tokens": result.prompt_tokens + result.completion_tokens,
+        },
+        "prompt_token_ids": result.prompt_ids,
+        "tokenkeep": {**_tokenkeep_info(result), "turn_ids": [c.turn_id for c in result.choices]},
+    }
+
+
+async def _chunks(
+    events: AsyncIterator[Any], conversation: Conversation, model: Any, include_usage: bool
+) -> AsyncIterator[bytes]:
+    head: dict[str, Any] = {}
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
+        return data_line({**head, "choices": choices, **extra})
+
+    async for event in events:
+        if isinstance(event, StreamStarted):
+            head = {
+                "id": _completion_id(event.response_id),
+                "object": "chat.completion.chunk",
+                "created": event.created,
+                "model": event.model,
+            }
+            for i in range(event.n):
+                yield chunk(
+                    [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                    **({"prompt_token_ids": event.prompt_ids} if i == 0 else {}),
+                    tokenkeep=_tokenkeep_info(event),
+                )
+        elif isinstance(event, ChoiceDelta):
+            delta: dict[str, Any] = {}
+            if event.reasoning:
+                delta["reasoning_content"] = event.reasoning
+            if event.content:
+                delta["content"] = event.content
+            yield chunk(
+                [
+                    {
+                        "index": event.index,
+                        "delta": delta,
+                        "logprobs": _logprobs_out(model, event.token_ids, event.logprobs)
+                        if conversation.logprobs
+                        else None,
+                        "finish_reason": None,
+                        "token_ids": event.token_ids,
+                    }
+                ]
+            )
+        elif isinstance(event, ChoiceFinished):
+            delta = {}
+            if event.reasoning_tail:
+                delta["reasoning_content"] = event.reasoning_tail
+            if event.content_tail:
+                delta["content"] = event.content_tail
+            if event.message.tool_calls:
+                delta["tool_calls"] = [
+                    _tool_call_out(c, k) for k, c in enumerate(event.message.tool_calls)
+                ]
+            if delta:
+                yield chunk(
+                    [
+                        {
+                            "index": event.index,
+                            "delta": delta,
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ]
+                )
+            yield chunk(
+                [
+                    {
+                        "index": event.index,
+                        "delta": {},
+                        "logprobs": None,
+                        "finish_reason": event.finish_reason,
+                    }
+                ]
+            )
+        elif isinstance(event, StreamFinished):
+            result = event.result
+            if include_usage:
+                yield chunk(
+                    [],
+                    usage={
+                        "prompt_tokens": result.prompt_tokens,
+                        "completion_tokens": result.completion_tokens,
+                        "total_tokens": result.prompt_tokens + result.completion_tokens,
+                    },
+                    tokenkeep={
+                        **_tokenkeep_info(result),
+                        "turn_ids": [c.turn_id for c in result.choices],
+                    },
+                )
+    yield DONE
+
+
+async def _serve(session_id: str, body: ChatCompletionRequest, request: Request) -> Any:
+    service = request.app.state.turns
+    conversation = to_conversation(body)
+    request.state.session_id = session_id
+    request.state.api = "chat"
+    if not conversation.stream:
+        result = await service.complete(session_id, conversation)
+        request.state.turn_kind = result.kind
+        return format_result(result, conversation, service.model)
+    events = await first_then_rest(service.stream(session_id, conversation))
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def on_error(exc: Exception) -> bytes:
+        status, message, param, kind = classify(exc)
+        return data_line(error_body(request.url.path, status, message, param=param, type=kind))
+
+    return sse_response(_chunks(events, conversation, service.model, include_usage), on_error)
+
+
+@router.post("/sessions/{session_id}/v1/chat/completions")
+async def session_chat_completions(
+    session_id: str, body: ChatCompletionRequest, request: Request
+) -> Any:
+    return await _serve(check_session_id(session_id), body, request)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
+    return await _serve(session_id_from_headers(request), body, request)
+
+
+def models_payload(model_name: str, context_length: int) -> dict[str, Any]:
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": model_name,
+                "object": "model",
+                "created": int(time.time()),
+                "owned_by": "tokenkeep",
+                "max_model_len": context_length,
+            }
+        ],
+    }
+
+
+@router.get("/sessions/{session_id}/v1/models")
+async def session_models(session_id: str, request: Request) -> dict[str, Any]:
+    check_session_id(session_id)
+    config = request.app.state.turns.config
+    return models_payload(config.model_name, config.context_length)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict[str, Any]:
+    config = request.app.state.turns.config
+    return models_payload(config.model_name, config.context_length)

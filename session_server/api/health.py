@@ -1,0 +1,88 @@
+"""Health, readiness, metrics, and tokenizer utilities."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from session_server.api.chat import (
+    ChatCompletionRequest,
+    ChatMessageIn,
+    ToolDef,
+    to_conversation,
+)
+from session_server.api.errors import APIError
+
+router = APIRouter()
+
+
+@router.get("/healthz")
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/readyz")
+async def readyz(request: Request) -> Response:
+    service = request.app.state.turns
+    store_ok = await service.store.ping()
+    engine_ok = await service.engine.ready()
+    ok = store_ok and engine_ok
+    body = {"status": "ready" if ok else "not ready", "store": store_ok, "engine": engine_ok}
+    return Response(json.dumps(body), status_code=200 if ok else 503, media_type="application/json")
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(
+        generate_latest(request.app.state.turns.metrics.registry), media_type=CONTENT_TYPE_LATEST
+    )
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessageIn] | None = None
+    tools: list[ToolDef] | None = None
+    add_special_tokens: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    tokens: list[int] = Field(min_length=0)
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
+    model = request.app.state.turns.model
+    if body.prompt is not None:
+        tokens = list(
+            model.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        )
+    else:
+        conversation = to_conversation(
+            ChatCompletionRequest(messages=body.messages or [], tools=body.tools)
+        )
+        tokens = model.render_prompt(conversation.messages, conversation.tools)
+    config = request.app.state.turns.config
+    return {"count": len(tokens), "max_model_len": config.context_length, "tokens": tokens}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
+    model = request.app.state.turns.model
+    bad = [t for t in body.tokens if t < 0 or t >= model.vocab_size]
+    if bad:
+        raise APIError(400, f"token ids out of vocabulary: {bad[:5]}", param="tokens")
+    return {"prompt": model.decode(body.tokens)}

@@ -1,0 +1,63 @@
+"""`tokenkeep` command line: serve, engine, demo, operator."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run the session server")
+    env = os.environ.get
+    p.add_argument(
+        "--engine-url",
+        action="append",
+        dest="engine_urls",
+        help="vLLM base URL; repeat for replicas (TOKENKEEP_ENGINE_URLS)",
+    )
+    p.add_argument("--model", help="served model name (TOKENKEEP_MODEL)")
+    p.add_argument("--tokenizer", help="tokenizer directory or id (TOKENKEEP_TOKENIZER)")
+    p.add_argument("--renderer", help="auto (default) or a renderer name (TOKENKEEP_RENDERER)")
+    p.add_argument("--redis-url", help="Redis URL; absent: embedded store (TOKENKEEP_REDIS_URL)")
+    p.add_argument("--host", help="bind address (TOKENKEEP_HOST)")
+    p.add_argument("--port", type=int, help="port (TOKENKEEP_PORT)")
+    p.add_argument("--context-length", type=int, help="max model length (TOKENKEEP_CONTEXT_LENGTH)")
+    p.add_argument("--log-level", default=env("TOKENKEEP_LOG_LEVEL", "info"))
+
+
+def serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from session_server.app import create_app
+    from session_server.settings import Settings
+
+    overrides = {
+        k: v for k, v in vars(args).items() if v is not None and k in Settings.model_fields
+    }
+    settings = Settings(**overrides)
+    if not settings.engine_urls:
+        print("tokenkeep serve: give --engine-url (or TOKENKEEP_ENGINE_URLS)", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=settings.log_level.upper(), format="%(message)s")
+    app = create_app(settings)
+    uvicorn.run(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tokenkeep", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _serve_parser(sub)
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return serve(args)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,360 @@
+"""Token-level knowledge of the served model: render, bridge, parse.
+
+`ChatModel` is the one place that turns messages into token IDs and sampled token IDs back
+into messages. It uses a hand-written `renderers` renderer where the model family has one
+(their `bridge_to_next_turn` appends only the new messages' framing to the exact stored
+tokens), and otherwise a generic splice anchored on the template's end-of-turn token.
+Either way the result is *proved* before it is used: the new prompt must start with every
+stored prompt and sampled token, unchanged. A splice that cannot be proved returns a refusal
+reason, never a guessed prompt; the caller starts a new segment and records the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from renderers import (
+    DefaultRendererConfig,
+    Llama3RendererConfig,
+    Qwen3RendererConfig,
+    ToolCallParseStatus,
+    create_renderer,
+)
+
+from session_server.conversation import Message, Tool, ToolCall, canonical_text
+
+log = logging.getLogger(__name__)
+
+GENERIC = "generic"
+# Renderer families tokenkeep recognises from the tokenizer itself (its special tokens and
+# template), because `renderers` only picks a hand-coded renderer on an exact model name.
+_FAMILY_CONFIGS: dict[str, Any] = {
+    # thinking_retention="all": keep the sampled <think> blocks of earlier turns instead of
+    # re-rendering at each new user query; the trajectory must hold what was sampled.
+    "qwen3": lambda: Qwen3RendererConfig(thinking_retention="all"),
+    "llama-3": lambda: Llama3RendererConfig(),
+}
+
+
+@dataclass(slots=True)
+class Bridge:
+    """The tokens to append after a stored turn, or why there are none."""
+
+    delta: list[int] | None
+    refusal: str | None = None
+
+
+@dataclass(slots=True)
+class ParsedReply:
+    message: Message
+    finish_reason: str
+
+
+class ChatModel:
+    """A tokenizer + renderer for one served model."""
+
+    def __init__(self, tokenizer: Any, renderer_name: str = "auto") -> None:
+        self.tokenizer = tokenizer
+        self.family = detect_family(tokenizer) if renderer_name == "auto" else renderer_name
+        if self.family == GENERIC:
+            self.renderer = create_renderer(
+                tokenizer,
+                DefaultRendererConfig(tool_parser="qwen3", reasoning_parser="think")
+                if _has_tokens(tokenizer, "<tool_call>", "</tool_call>")
+                else DefaultRendererConfig(),
+            )
+        elif self.family in _FAMILY_CONFIGS:
+            self.renderer = create_renderer(tokenizer, _FAMILY_CONFIGS[self.family]())
+        else:
+            from renderers import config_from_name
+
+            self.renderer = create_renderer(tokenizer, config_from_name(self.family))
+        stop_ids = list(self.renderer.get_stop_token_ids())
+        for extra in _generation_config_eos(tokenizer):
+            if extra not in stop_ids:
+                stop_ids.append(extra)
+        self.stop_token_ids: list[int] = stop_ids
+        self.close_token_id: int | None = detect_close_token(tokenizer) or (
+            stop_ids[0] if stop_ids else None
+        )
+        self.vocab_size = len(tokenizer)
+
+    # --- rendering --------------------------------------------------------------------
+
+    def render_prompt(self, messages: list[Message], tools: list[Tool]) -> list[int]:
+        """A whole prompt, ending where the next assistant turn starts generating."""
+        if self.family == GENERIC:
+            return self._apply_template(messages, tools, add_generation_prompt=True)
+        return list(
+            self.renderer.render_ids(
+                to_renderer_messages(messages),
+                tools=to_renderer_tools(tools),
+                add_generation_prompt=True,
+            )
+        )
+
+    def _apply_template(
+        self, messages: list[Message], tools: list[Tool], *, add_generation_prompt: bool
+    ) -> list[int]:
+        out = self.tokenizer.apply_chat_template(
+            to_renderer_messages(messages, arguments_as_dict=True),
+            tools=[t.as_openai() for t in tools] or None,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=True,
+            return_dict=False,
+        )
+        return list(out)
+
+    def bridge(
+        self,
+        prompt_ids: list[int],
+        completion_ids: list[int],
+        finish_reason: str,
+        history: list[Message],
+        new_messages: list[Message],
+        tools: list[Tool],
+    ) -> Bridge:
+        """Tokens that follow `prompt_ids + completion_ids` for `new_messages`.
+
+        `history` is the request's messages up to and including the stored turn's reply,
+        as the harness sent them (only the generic splice reads it)."""
+        if not new_messages:
+            return Bridge(None, "no_new_messages")
+        if any(m.role == "assistant" for m in new_messages):
+            return Bridge(None, "assistant_message_not_sampled")
+        if self.family == GENERIC:
+            delta = self._generic_bridge(
+                prompt_ids, completion_ids, finish_reason, history, new_messages, tools
+            )
+        else:
+            rendered = self.renderer.bridge_to_next_turn(
+                prompt_ids,
+                completion_ids,
+                to_renderer_messages(new_messages),
+                tools=to_renderer_tools(tools),
+            )
+            delta = None if rendered is None else _prove(prompt_ids, completion_ids, rendered)
+        if delta is None:
+            return Bridge(None, "bridge_unproven")
+        return Bridge(delta)
+
+    def _generic_bridge(
+        self,
+        prompt_ids: list[int],
+        completion_ids: list[int],
+        finish_reason: str,
+        history: list[Message],
+        new_messages: list[Message],
+        tools: list[Tool],
+    ) -> list[int] | None:
+        """End-of-turn anchored splice: the template's tokens after the stored turn's close.
+
+        Counting close tokens (rather than comparing positions) survives templates that
+        rewrite earlier turns, e.g. dropping their reasoning."""
+        close = self.close_token_id
+        if close is None:
+            return None
+        closing: list[int] = []
+        if not completion_ids or completion_ids[-1] not in self.stop_token_ids:
+            if finish_reason != "length" and completion_ids:
+                return None
+            closing = [close]  # a truncated turn is closed as context, never as loss
+        before = self._apply_template(history, tools, add_generation_prompt=False)
+        after = self._apply_template(history + new_messages, tools, add_generation_prompt=True)
+        turns_closed = before.count(close)
+        position = _nth_index(after, close, turns_closed)
+        if turns_closed == 0 or position is None:
+            return None
+        delta = closing + after[position + 1 :]
+        if not _carries_messages(self.tokenizer, delta, new_messages):
+            return None
+        return delta
+
+    # --- parsing ----------------------------------------------------------------------
+
+    def parse(
+        self,
+        completion_ids: list[int],
+        finish_reason: str,
+        prompt_ids: list[int],
+        tools: list[Tool],
+    ) -> ParsedReply:
+        """The sampled tokens as an assistant message (parsed from token IDs, in-process)."""
+        parsed = self.renderer.parse_response(
+            list(completion_ids), tools=to_renderer_tools(tools), prompt_ids=prompt_ids
+        )
+        calls = [
+            ToolCall(
+                id=tc.id or "call_" + uuid.uuid4().hex[:24],
+                name=tc.name or "",
+                arguments=tc.arguments
+                if isinstance(tc.arguments, str)
+                else json.dumps(tc.arguments, ensure_ascii=False),
+            )
+            for tc in parsed.tool_calls
+            if tc.status == ToolCallParseStatus.OK and tc.name
+        ]
+        message = Message(
+            role="assistant",
+            content=parsed.content or "",
+            reasoning=parsed.reasoning_content or None,
+            tool_calls=calls,
+        )
+        if finish_reason == "stop" and calls:
+            finish_reason = "tool_calls"
+        return ParsedReply(message=message, finish_reason=finish_reason)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=False)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+
+# --- helpers ------------------------------------------------------------------------------
+
+
+def _prove(prompt_ids: list[int], completion_ids: list[int], rendered: Any) -> list[int] | None:
+    """The bridge's new tokens, if it kept every stored token in place; else None."""
+    tokens = rendered.token_ids
+    cut = len(prompt_ids) + len(completion_ids)
+    if len(tokens) < cut or tokens[: len(prompt_ids)] != prompt_ids:
+        return None
+    if tokens[len(prompt_ids) : cut] != completion_ids:
+        return None
+    return list(tokens[cut:])
+
+
+def _nth_index(tokens: list[int], token: int, n: int) -> int | None:
+    seen = 0
+    for i, t in enumerate(tokens):
+        if t == token:
+            seen += 1
+            if seen == n:
+                return i
+    return None
+
+
+def _carries_messages(tokenizer: Any, delta: list[int], messages: list[Message]) -> bool:
+    """Proof for the generic splice: each new message's text appears in the bridge, in order."""
+    text = tokenizer.decode(delta, skip_special_tokens=False)
+    position = 0
+    for message in messages:
+        needle = canonical_text(message.content)
+        if not needle:
+            continue
+        found = text.find(needle, position)
+        if found < 0:
+            return False
+        position = found + len(needle)
+    return True
+
+
+def _has_tokens(tokenizer: Any, *tokens: str) -> bool:
+    vocab = tokenizer.get_vocab()
+    return all(t in vocab for t in tokens)
+
+
+def detect_family(tokenizer: Any) -> str:
+    """Which hand-written renderer fits this tokenizer, from its own special tokens and
+    chat template; `generic` when none does."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if (
+        _has_tokens(tokenizer, "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>")
+        and "<tool_call>" in template
+        and ("enable_thinking" in template or "reasoning_content" in template)
+    ):
+        return "qwen3"
+    if _has_tokens(tokenizer, "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>") and (
+        "<|start_header_id|>" in template
+    ):
+        return "llama-3"
+    return GENERIC
+
+
+def detect_close_token(tokenizer: Any) -> int | None:
+    """The special token the chat template puts right after an assistant message."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    marker = "tokenkeepprobe"
+    try:
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}],
+            tokenize=True,
+            return_dict=False,
+        )
+    except Exception:  # templates raise on shapes they dislike; then there is no anchor
+        return None
+    text_ids = list(ids)
+    special = set(tokenizer.all_special_ids) | set(
+        getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    )
+    decoded = ""
+    for i, token in enumerate(text_ids):
+        decoded += tokenizer.decode([token])
+        if marker in decoded:
+            for following in text_ids[i + 1 :]:
+                if following in special:
+                    return int(following)
+            return None
+    return None
+
+
+def _generation_config_eos(tokenizer: Any) -> list[int]:
+    path = Path(str(getattr(tokenizer, "name_or_path", ""))) / "generation_config.json"
+    if not path.is_file():
+        return []
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+
+def to_renderer_tools(tools: list[Tool]) -> list[dict[str, Any]] | None:
+    if not tools:
+        return None
+    return [
+        {"name": t.name, "description": t.description, "parameters": t.parameters} for t in tools
+    ]
+
+
+def to_renderer_messages(
+    messages: list[Message], *, arguments_as_dict: bool = False
+) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for m in messages:
+        entry: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+        if m.role == "assistant" and m.reasoning:
+            entry["reasoning_content"] = m.reasoning
+        if m.tool_calls:
+            entry["tool_calls"] = [
+                {
+                    "type": "function",
+                    "id": call.id,
+                    "function": {
+                        "name": call.name,
+                        "arguments": _arguments_value(call.arguments)
+                        if arguments_as_dict
+                        else call.arguments,
+                    },
+                }
+                for call in m.tool_calls
+            ]
+        if m.tool_call_id is not None:
+            entry["tool_call_id"] = m.tool_call_id
+        if m.name is not None:
+            entry["name"] = m.name
+        out.append(entry)
+    return out
+
+
+def _arguments_value(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments

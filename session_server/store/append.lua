@@ -1,0 +1,49 @@
+-- Atomic append of the sibling turns of one request (session_server/store/redis.py).
+-- KEYS: meta, turns, index.
+-- ARGV: n_turns, segments, tokens, n_breaks, break_reason x n_breaks,
+--       then per turn: parent_id (0 = root), record, n_keys, key x n_keys.
+-- Reply: {'ok', first_id} | {'gone'} | {'parent', parent_id}.
+local meta, turns, index = KEYS[1], KEYS[2], KEYS[3]
+if redis.call('EXISTS', meta) == 0 then
+  return {'gone'}
+end
+local n = tonumber(ARGV[1])
+local n_breaks = tonumber(ARGV[4])
+local first_turn_arg = 5 + n_breaks
+
+-- Every check comes before the first write: Redis does not roll back a failed script.
+local pos = first_turn_arg
+for _ = 1, n do
+  local parent = ARGV[pos]
+  if parent ~= '0' and redis.call('HEXISTS', turns, parent) == 0 then
+    return {'parent', parent}
+  end
+  pos = pos + 3 + tonumber(ARGV[pos + 2])
+end
+
+-- The turn count doubles as the id allocator: turns are never removed one by one.
+local last = redis.call('HINCRBY', meta, 'turns', n)
+local id = last - n
+pos = first_turn_arg
+for _ = 1, n do
+  id = id + 1
+  redis.call('HSET', turns, id, ARGV[pos + 1])
+  local n_keys = tonumber(ARGV[pos + 2])
+  for k = 1, n_keys do
+    redis.call('HSETNX', index, ARGV[pos + 2 + k], id)
+  end
+  pos = pos + 3 + n_keys
+end
+redis.call('HINCRBY', meta, 'segments', ARGV[2])
+redis.call('HINCRBY', meta, 'tokens', ARGV[3])
+for b = 1, n_breaks do
+  redis.call('HINCRBY', meta, 'b:' .. ARGV[4 + b], 1)
+end
+
+local ttl_ms = redis.call('HGET', meta, 'ttl_ms')
+if ttl_ms then
+  for _, key in ipairs(KEYS) do
+    redis.call('PEXPIRE', key, ttl_ms)
+  end
+end
+return {'ok', last - n + 1}

@@ -1,0 +1,231 @@
+"""Compact binary form of a TurnRecord and JSON form of a SessionMeta, shared by both stores.
+
+A record is a fixed header, a short JSON object for the rare string fields, then the token IDs
+of `prompt_delta` and `completion_ids` as little-endian integers of 3 bytes (when every ID is
+below 2**24, true of every real vocabulary) or 4 bytes, then one float32 logprob per
+completion token (vLLM's logprobs are float32, so this is lossless for them). The turn id is
+not stored: it is the record's key in its session.
+
+The parent id sits at byte offset 1 (1-based position 2) as an unsigned 32-bit little-endian
+integer, 0 for a root: the Redis lookup script reads it there to walk a path.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from session_server.store.base import SessionMeta, TurnRecord
+
+VERSION = 1
+# version, parent_id (0 = root), flags, kind code, api code, finish code,
+# len(prompt_delta), len(completion_ids), n_messages, created_at, length of the JSON part.
+_HEADER = struct.Struct("<BIBBBBIIIdI")
+HEADER_SIZE = _HEADER.size
+
+_SEGMENT_START = 0x01
+_WIDE_TOKENS = 0x02
+
+# Common values of the enumerated string fields get a one-byte code (index + 1); 0 means the
+# value is in the JSON part instead, so any string stays representable.
+_KINDS = ("first", "extend", "fork", "retry", "rewrite")
+_APIS = ("chat", "responses", "messages", "completions")
+_FINISH_REASONS = ("stop", "length", "abort", "tool_calls", "error")
+
+_NARROW_LIMIT = 1 << 24
+_WIDE_LIMIT = 1 << 32
+
+
+class CorruptRecord(ValueError):
+    pass
+
+
+def _code(table: tuple[str, ...], value: str) -> int:
+    try:
+        return table.index(value) + 1
+    except ValueError:
+        return 0
+
+
+def _token_array(ids: list[int], what: str) -> np.ndarray:
+    arr = np.asarray(ids)
+    if arr.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise ValueError(f"{what} must be a flat list of integers")
+    if int(arr.min()) < 0 or int(arr.max()) >= _WIDE_LIMIT:
+        raise ValueError(f"{what} holds a token ID outside [0, 2**32)")
+    return arr
+
+
+def _pack_tokens(arr: np.ndarray, width: int) -> bytes:
+    as_u32 = arr.astype("<u4")
+    if width == 4:
+        return as_u32.tobytes()
+    return as_u32.view(np.uint8).reshape(-1, 4)[:, :3].tobytes()
+
+
+def _unpack_tokens(blob: bytes, offset: int, count: int, width: int) -> list[int]:
+    if width == 4:
+        return np.frombuffer(blob, dtype="<u4", count=count, offset=offset).tolist()
+    narrow = np.frombuffer(blob, dtype=np.uint8, count=count * 3, offset=offset)
+    wide = np.zeros((count, 4), dtype=np.uint8)
+    wide[:, :3] = narrow.reshape(count, 3)
+    return wide.view("<u4").ravel().tolist()
+
+
+def encode_turn(record: TurnRecord) -> bytes:
+    """Pack everything but `turn_id`. Raises ValueError on malformed token data."""
+    prompt = _token_array(record.prompt_delta, "prompt_delta")
+    completion = _token_array(record.completion_ids, "completion_ids")
+    if len(record.logprobs) != completion.size:
+        raise ValueError(f"{len(record.logprobs)} logprobs for {completion.size} completion tokens")
+    logprobs = np.asarray(record.logprobs, dtype="<f4")
+    top = max((int(a.max()) for a in (prompt, completion) if a.size), default=0)
+    width = 3 if top < _NARROW_LIMIT else 4
+
+    kind, api, finish = (
+        _code(_KINDS, record.kind),
+        _code(_APIS, record.api),
+        _code(_FINISH_REASONS, record.finish_reason),
+    )
+    rare: dict[str, Any] = {}
+    if not kind:
+        rare["k"] = record.kind
+    if not api:
+        rare["a"] = record.api
+    if not finish:
+        rare["f"] = record.finish_reason
+    if record.stop_reason is not None:
+        rare["s"] = record.stop_reason
+    if record.break_reason is not None:
+        rare["b"] = record.break_reason
+    if record.extra:
+        rare["x"] = record.extra
+    rare_json = (
+        json.dumps(rare, separators=(",", ":"), ensure_ascii=False).encode() if rare else b""
+    )
+
+    flags = (_SEGMENT_START if record.segment_start else 0) | (_WIDE_TOKENS if width == 4 else 0)
+    header = _HEADER.pack(
+        VERSION,
+        record.parent_id or 0,
+        flags,
+        kind,
+        api,
+        finish,
+        prompt.size,
+        completion.size,
+        record.n_messages,
+        record.created_at,
+        len(rare_json),
+    )
+    return b"".join(
+        (
+            header,
+            rare_json,
+            _pack_tokens(prompt, width),
+            _pack_tokens(completion, width),
+            logprobs.tobytes(),
+        )
+    )
+
+
+def decode_turn(turn_id: int, blob: bytes) -> TurnRecord:
+    try:
+        (
+            version,
+            parent,
+            flags,
+            kind,
+            api,
+            finish,
+            n_prompt,
+            n_completion,
+            n_messages,
+            created_at,
+            rare_len,
+        ) = _HEADER.unpack_from(blob)
+    except struct.error as exc:
+        raise CorruptRecord(f"turn {turn_id}: truncated header") from exc
+    if version != VERSION:
+        raise CorruptRecord(f"turn {turn_id}: unknown record version {version}")
+    width = 4 if flags & _WIDE_TOKENS else 3
+    expected = HEADER_SIZE + rare_len + (n_prompt + n_completion) * width + n_completion * 4
+    if len(blob) != expected:
+        raise CorruptRecord(f"turn {turn_id}: {len(blob)} bytes, header says {expected}")
+
+    offset = HEADER_SIZE
+    rare = json.loads(blob[offset : offset + rare_len]) if rare_len else {}
+    offset += rare_len
+    prompt = _unpack_tokens(blob, offset, n_prompt, width)
+    offset += n_prompt * width
+    completion = _unpack_tokens(blob, offset, n_completion, width)
+    offset += n_completion * width
+    logprobs = np.frombuffer(blob, dtype="<f4", count=n_completion, offset=offset).tolist()
+    return TurnRecord(
+        turn_id=turn_id,
+        parent_id=parent or None,
+        segment_start=bool(flags & _SEGMENT_START),
+        kind=_KINDS[kind - 1] if kind else rare["k"],
+        break_reason=rare.get("b"),
+        prompt_delta=prompt,
+        completion_ids=completion,
+        logprobs=logprobs,
+        finish_reason=_FINISH_REASONS[finish - 1] if finish else rare["f"],
+        stop_reason=rare.get("s"),
+        n_messages=n_messages,
+        created_at=created_at,
+        api=_APIS[api - 1] if api else rare["a"],
+        extra=rare.get("x", {}),
+    )
+
+
+def stored_tokens(record: TurnRecord) -> int:
+    """The tokens a record adds to its session (what the `tokens` counter sums)."""
+    return len(record.prompt_delta) + len(record.completion_ids)
+
+
+def encode_meta(meta: SessionMeta) -> bytes:
+    return json.dumps(asdict(meta), separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def decode_meta(blob: bytes) -> SessionMeta:
+    return SessionMeta(**json.loads(blob))
+
+
+def validate_meta(meta: SessionMeta) -> None:
+    if meta.ttl_seconds is not None and meta.ttl_seconds <= 0:
+        raise ValueError(f"ttl_seconds must be positive or None, not {meta.ttl_seconds}")
+
+
+@dataclass(slots=True)
+class EncodedAppend:
+    """What one `append_turns` call writes, encoded and checked before any store is touched."""
+
+    blobs: list[bytes]
+    parents: list[int]
+    """Each turn's parent id, 0 for a root."""
+    keys: list[list[str]]
+    segments: int
+    tokens: int
+    breaks: list[str]
+
+
+def encode_append(turns: list[TurnRecord], keys: list[list[str]]) -> EncodedAppend:
+    if not turns:
+        raise ValueError("append_turns needs at least one turn")
+    if len(keys) != len(turns):
+        raise ValueError(f"{len(keys)} key lists for {len(turns)} turns")
+    return EncodedAppend(
+        blobs=[encode_turn(t) for t in turns],
+        parents=[t.parent_id or 0 for t in turns],
+        keys=[list(k) for k in keys],
+        segments=sum(t.segment_start for t in turns),
+        tokens=sum(stored_tokens(t) for t in turns),
+        breaks=[t.break_reason for t in turns if t.break_reason is not None],
+    )

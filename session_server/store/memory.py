@@ -1,0 +1,199 @@
+"""The embedded store: one process, no Redis (the server without `--redis-url`).
+
+Records are kept in the same packed form the Redis store writes, so both stores return
+byte-for-byte the same data (float32 logprobs, JSON round trip of `extra`). Every method runs
+without yielding to the event loop, which is what makes each call atomic here.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from session_server.store.base import (
+    LookupResult,
+    SessionCounters,
+    SessionExists,
+    SessionMeta,
+    SessionNotFound,
+    TurnRecord,
+    UnknownParent,
+)
+from session_server.store.codec import (
+    decode_meta,
+    decode_turn,
+    encode_append,
+    encode_meta,
+    validate_meta,
+)
+
+
+@dataclass(slots=True)
+class _Session:
+    meta: bytes
+    ttl_seconds: int | None
+    expires_at: float | None
+    records: dict[int, bytes] = field(default_factory=dict)
+    index: dict[str, int] = field(default_factory=dict)
+    segments: int = 0
+    tokens: int = 0
+    breaks: dict[str, int] = field(default_factory=dict)
+
+    def touch(self, now: float) -> None:
+        if self.ttl_seconds is not None:
+            self.expires_at = now + self.ttl_seconds
+
+
+class MemoryStore:
+    """In-process SessionStore; expired sessions vanish on access and in periodic sweeps."""
+
+    def __init__(
+        self,
+        *,
+        sweep_interval_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._sessions: dict[str, _Session] = {}
+        self._clock = clock
+        self._sweep_interval_s = sweep_interval_s
+        self._next_sweep = clock() + sweep_interval_s
+
+    def _live(self, session_id: str) -> _Session | None:
+        now = self._clock()
+        if now >= self._next_sweep:
+            self._sweep(now)
+        session = self._sessions.get(session_id)
+        if session is not None and session.expires_at is not None and now >= session.expires_at:
+            del self._sessions[session_id]
+            return None
+        return session
+
+    def _sweep(self, now: float) -> None:
+        expired = [
+            sid
+            for sid, s in self._sessions.items()
+            if s.expires_at is not None and now >= s.expires_at
+        ]
+        for sid in expired:
+            del self._sessions[sid]
+        self._next_sweep = now + self._sweep_interval_s
+
+    def _require(self, session_id: str) -> _Session:
+        session = self._live(session_id)
+        if session is None:
+            raise SessionNotFound(session_id)
+        return session
+
+    def _path(
+        self, session: _Session, turn_id: int | None, decoded: dict[int, TurnRecord]
+    ) -> list[TurnRecord]:
+        """Root-to-`turn_id` records; `decoded` shares records between the paths of one
+        lookup, as the Redis store does."""
+        path: list[TurnRecord] = []
+        while turn_id is not None:
+            record = decoded.get(turn_id)
+            if record is None:
+                record = decoded[turn_id] = decode_turn(turn_id, session.records[turn_id])
+            path.append(record)
+            turn_id = record.parent_id
+        path.reverse()
+        return path
+
+    async def create_session(self, meta: SessionMeta) -> SessionMeta:
+        validate_meta(meta)
+        if self._live(meta.session_id) is not None:
+            raise SessionExists(meta.session_id)
+        packed = encode_meta(meta)
+        session = _Session(meta=packed, ttl_seconds=meta.ttl_seconds, expires_at=None)
+        session.touch(self._clock())
+        self._sessions[meta.session_id] = session
+        return decode_meta(packed)
+
+    async def get_session(self, session_id: str) -> SessionMeta | None:
+        session = self._live(session_id)
+        return None if session is None else decode_meta(session.meta)
+
+    async def delete_session(self, session_id: str) -> bool:
+        if self._live(session_id) is None:
+            return False
+        del self._sessions[session_id]
+        return True
+
+    async def lookup(
+        self, session_id: str, reply_keys: list[str], input_key: str | None
+    ) -> LookupResult:
+        session = self._require(session_id)
+        matched: int | None = None
+        for i in range(len(reply_keys) - 1, -1, -1):
+            if reply_keys[i] in session.index:
+                matched = i
+                break
+        decoded: dict[int, TurnRecord] = {}
+        parent_path = (
+            self._path(session, session.index[reply_keys[matched]], decoded)
+            if matched is not None
+            else []
+        )
+        retry_of: TurnRecord | None = None
+        retry_path: list[TurnRecord] = []
+        retry_id = session.index.get(input_key) if input_key is not None else None
+        if retry_id is not None:
+            retry_path = self._path(session, retry_id, decoded)
+            retry_of = retry_path.pop()
+        return LookupResult(
+            parent_path=parent_path,
+            matched_key_index=matched,
+            retry_of=retry_of,
+            retry_path=retry_path,
+            turn_count=len(session.records),
+        )
+
+    async def append_turns(
+        self, session_id: str, turns: list[TurnRecord], keys: list[list[str]]
+    ) -> list[int]:
+        batch = encode_append(turns, keys)
+        session = self._require(session_id)
+        for parent in batch.parents:
+            if parent and parent not in session.records:
+                raise UnknownParent(f"session {session_id} has no turn {parent}")
+        first = len(session.records) + 1
+        ids = list(range(first, first + len(batch.blobs)))
+        for turn_id, blob, turn_keys in zip(ids, batch.blobs, batch.keys, strict=True):
+            session.records[turn_id] = blob
+            for key in turn_keys:
+                session.index.setdefault(key, turn_id)
+        session.segments += batch.segments
+        session.tokens += batch.tokens
+        for reason in batch.breaks:
+            session.breaks[reason] = session.breaks.get(reason, 0) + 1
+        session.touch(self._clock())
+        return ids
+
+    async def resolve_key(self, session_id: str, key: str) -> int | None:
+        return self._require(session_id).index.get(key)
+
+    async def all_turns(self, session_id: str) -> list[TurnRecord]:
+        session = self._require(session_id)
+        return [decode_turn(i, session.records[i]) for i in sorted(session.records)]
+
+    async def get_turns(self, session_id: str, turn_ids: list[int]) -> list[TurnRecord | None]:
+        session = self._require(session_id)
+        return [
+            decode_turn(i, session.records[i]) if i in session.records else None for i in turn_ids
+        ]
+
+    async def counters(self, session_id: str) -> SessionCounters:
+        session = self._require(session_id)
+        return SessionCounters(
+            turns=len(session.records),
+            segments=session.segments,
+            breaks=dict(session.breaks),
+            tokens=session.tokens,
+        )
+
+    async def ping(self) -> bool:
+        return True
+
+    async def close(self) -> None:
+        self._sessions.clear()

@@ -1,0 +1,187 @@
+"""The Redis store: sessions shared by any number of server replicas.
+
+A session is three keys, hash-tagged on the session id so that they share one Cluster slot
+and every script may touch all of them:
+- `{prefix}:{<sid>}:meta`    hash: `meta` (packed SessionMeta), `ttl_ms`, and the counters
+                             `turns` (also the id allocator), `segments`, `tokens`,
+                             `b:<break_reason>`;
+- `{prefix}:{<sid>}:turns`   hash: turn id -> packed record (codec.py; the parent id is in it);
+- `{prefix}:{<sid>}:index`   hash: lookup key -> turn id (first writer wins).
+Lookups and appends are Lua scripts (EVALSHA), so each is one round trip and atomic.
+"""
+
+from __future__ import annotations
+
+from importlib.resources import files
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from session_server.store.base import (
+    LookupResult,
+    SessionCounters,
+    SessionExists,
+    SessionMeta,
+    SessionNotFound,
+    TurnRecord,
+    UnknownParent,
+)
+from session_server.store.codec import (
+    decode_meta,
+    decode_turn,
+    encode_append,
+    encode_meta,
+    validate_meta,
+)
+
+
+def _script(name: str) -> str:
+    return files("session_server.store").joinpath(name).read_text()
+
+
+class RedisStore:
+    """SessionStore on Redis (redis-py asyncio; hiredis parses replies when installed)."""
+
+    def __init__(self, url: str, *, key_prefix: str = "tk") -> None:
+        self._redis = aioredis.Redis.from_url(url, decode_responses=False)
+        self._prefix = key_prefix
+        self._lookup = self._redis.register_script(_script("lookup.lua"))
+        self._append = self._redis.register_script(_script("append.lua"))
+        self._create = self._redis.register_script(_script("create.lua"))
+        self._delete = self._redis.register_script(_script("delete.lua"))
+
+    def session_keys(self, session_id: str) -> list[str]:
+        """Every key the session occupies: meta, turns, index (in that order)."""
+        base = f"{self._prefix}:{{{session_id}}}"
+        return [f"{base}:meta", f"{base}:turns", f"{base}:index"]
+
+    async def create_session(self, meta: SessionMeta) -> SessionMeta:
+        validate_meta(meta)
+        packed = encode_meta(meta)
+        ttl_ms = "" if meta.ttl_seconds is None else str(meta.ttl_seconds * 1000)
+        created = await self._create(keys=self.session_keys(meta.session_id), args=[packed, ttl_ms])
+        if not created:
+            raise SessionExists(meta.session_id)
+        return decode_meta(packed)
+
+    async def get_session(self, session_id: str) -> SessionMeta | None:
+        packed = await self._redis.hget(self.session_keys(session_id)[0], "meta")
+        return None if packed is None else decode_meta(packed)
+
+    async def delete_session(self, session_id: str) -> bool:
+        return bool(await self._delete(keys=self.session_keys(session_id)))
+
+    async def lookup(
+        self, session_id: str, reply_keys: list[str], input_key: str | None
+    ) -> LookupResult:
+        args: list[str | int] = [len(reply_keys), *reply_keys]
+        if input_key is not None:
+            args.append(input_key)
+        reply = await self._lookup(keys=self.session_keys(session_id), args=args)
+        if reply is None:
+            raise SessionNotFound(session_id)
+
+        turn_count, matched, n_path = reply[0], reply[1], reply[2]
+        pos = 3
+        path_ids = reply[pos : pos + n_path]
+        pos += n_path
+        retry_id, n_retry = reply[pos], reply[pos + 1]
+        pos += 2
+        retry_ids = reply[pos : pos + n_retry]
+        pos += n_retry
+        flat = reply[pos:]
+        decoded = {
+            turn_id: decode_turn(turn_id, blob)
+            for turn_id, blob in zip(flat[0::2], flat[1::2], strict=True)
+        }
+        retry_path = [decoded[i] for i in retry_ids]
+        retry_of = retry_path.pop() if retry_id else None
+        return LookupResult(
+            parent_path=[decoded[i] for i in path_ids],
+            matched_key_index=matched - 1 if matched else None,
+            retry_of=retry_of,
+            retry_path=retry_path,
+            turn_count=turn_count,
+        )
+
+    async def append_turns(
+        self, session_id: str, turns: list[TurnRecord], keys: list[list[str]]
+    ) -> list[int]:
+        batch = encode_append(turns, keys)
+        args: list[bytes | str | int] = [
+            len(batch.blobs),
+            batch.segments,
+            batch.tokens,
+            len(batch.breaks),
+            *batch.breaks,
+        ]
+        for parent, blob, turn_keys in zip(batch.parents, batch.blobs, batch.keys, strict=True):
+            args += [parent, blob, len(turn_keys), *turn_keys]
+        reply = await self._append(keys=self.session_keys(session_id), args=args)
+        status = reply[0]
+        if status == b"gone":
+            raise SessionNotFound(session_id)
+        if status == b"parent":
+            raise UnknownParent(f"session {session_id} has no turn {int(reply[1])}")
+        first = int(reply[1])
+        return list(range(first, first + len(batch.blobs)))
+
+    async def _read(self, session_id: str, key: str, command: str, *args: str | int) -> object:
+        """Run one read command on a session key, raising SessionNotFound if the session is
+        gone; one round trip (MULTI/EXEC) so the existence check and the read agree."""
+        meta_key = self.session_keys(session_id)[0]
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.exists(meta_key)
+            pipe.execute_command(command, key, *args)
+            exists, result = await pipe.execute()
+        if not exists:
+            raise SessionNotFound(session_id)
+        return result
+
+    async def resolve_key(self, session_id: str, key: str) -> int | None:
+        index_key = self.session_keys(session_id)[2]
+        turn_id = await self._read(session_id, index_key, "HGET", key)
+        return None if turn_id is None else int(turn_id)
+
+    async def all_turns(self, session_id: str) -> list[TurnRecord]:
+        turns_key = self.session_keys(session_id)[1]
+        raw = await self._read(session_id, turns_key, "HGETALL")
+        assert isinstance(raw, dict)
+        records = (decode_turn(int(turn_id), blob) for turn_id, blob in raw.items())
+        return sorted(records, key=lambda r: r.turn_id)
+
+    async def get_turns(self, session_id: str, turn_ids: list[int]) -> list[TurnRecord | None]:
+        if not turn_ids:
+            await self._read(session_id, self.session_keys(session_id)[0], "EXISTS")
+            return []
+        turns_key = self.session_keys(session_id)[1]
+        blobs = await self._read(session_id, turns_key, "HMGET", *turn_ids)
+        assert isinstance(blobs, list)
+        return [
+            None if blob is None else decode_turn(turn_id, blob)
+            for turn_id, blob in zip(turn_ids, blobs, strict=True)
+        ]
+
+    async def counters(self, session_id: str) -> SessionCounters:
+        fields = await self._redis.hgetall(self.session_keys(session_id)[0])
+        if not fields:
+            raise SessionNotFound(session_id)
+        return SessionCounters(
+            turns=int(fields[b"turns"]),
+            segments=int(fields[b"segments"]),
+            breaks={
+                name[2:].decode(): int(count)
+                for name, count in fields.items()
+                if name.startswith(b"b:")
+            },
+            tokens=int(fields[b"tokens"]),
+        )
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await self._redis.ping())
+        except (RedisError, OSError):
+            return False
+
+    async def close(self) -> None:
+        await self._redis.aclose()

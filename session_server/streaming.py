@@ -1,0 +1,91 @@
+"""Incremental text of a reply being sampled, split into reasoning and content.
+
+Channels switch on the model's *special tokens* (`<think>`, `</think>`, `<tool_call>`), never
+on decoded text: a literal `<tool_call>` the model spelled in sub-words is content, exactly as
+the final token-level parse says. Text after a tool-call token is held back: tool calls are
+delivered whole, parsed from token IDs, when the choice finishes. Bytes of a multibyte
+character split across tokens are held until the character is complete.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from session_server.conversation import Message
+    from session_server.splice import ChatModel
+
+_REPLACEMENT = "\ufffd"
+
+
+@dataclass(slots=True)
+class TextDelta:
+    content: str = ""
+    reasoning: str = ""
+
+
+class ReplyStreamer:
+    def __init__(self, model: ChatModel) -> None:
+        vocab = model.tokenizer.get_vocab()
+        self._think_start = vocab.get("<think>")
+        self._think_end = vocab.get("</think>")
+        self._tool_start = vocab.get("<tool_call>")
+        self._stops = set(model.stop_token_ids)
+        self._decode = model.tokenizer.decode
+        self._channel = "content"
+        self._pending: list[int] = []  # tokens of the current channel not yet decoded fully
+        self._content = ""
+        self._reasoning = ""
+        self._content_started = False
+
+    def feed(self, token_ids: list[int]) -> TextDelta:
+        delta = TextDelta()
+        for token in token_ids:
+            if token in self._stops:
+                continue
+            if token == self._think_start and self._channel == "content":
+                self._emit(delta, final=True)
+                self._channel = "reasoning"
+            elif token == self._think_end and self._channel == "reasoning":
+                self._emit(delta, final=True)
+                self._channel = "content"
+            elif token == self._tool_start and self._channel != "tool":
+                self._emit(delta, final=True)
+                self._channel = "tool"
+            elif self._channel != "tool":
+                self._pending.append(token)
+        self._emit(delta, final=False)
+        return delta
+
+    def _emit(self, delta: TextDelta, *, final: bool) -> None:
+        if not self._pending:
+            return
+        text = self._decode(self._pending, skip_special_tokens=False)
+        if text.endswith(_REPLACEMENT) and not final:
+            return  # the rest of the character is in a later token
+        self._pending = []
+        if self._channel == "reasoning":
+            delta.reasoning += text
+            self._reasoning += text
+        elif self._channel == "content":
+            if not self._content_started:
+                # Templates and parsers drop whitespace between reasoning and the answer.
+                text = text.lstrip()
+                self._content_started = bool(text)
+            delta.content += text
+            self._content += text
+
+    def finish(self, message: Message) -> TextDelta:
+        """What the final parse holds beyond what was streamed (so that the streamed text
+        adds up to the parsed reply)."""
+        pending = TextDelta()
+        self._emit(pending, final=True)
+        tail = TextDelta()
+        final_content = message.content or ""
+        if final_content.startswith(self._content):
+            tail.content = final_content[len(self._content) :]
+        final_reasoning = message.reasoning or ""
+        if final_reasoning.startswith(self._reasoning):
+            tail.reasoning = final_reasoning[len(self._reasoning) :]
+        return tail

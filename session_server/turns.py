@@ -1,0 +1,536 @@
+"""The one place that decides: lookup, classify, splice, generate, record.
+
+A request arrives as a `Conversation`. Its lineage keys find the deepest stored turn whose
+messages-plus-reply are a prefix of the request (one store round trip). The request is then
+classified:
+
+- `first`: the session has no turns yet;
+- `extend`: it continues a leaf turn;
+- `fork`: it continues a turn that already has a continuation;
+- `retry`: the same input as an earlier turn (a new sibling with the same prompt);
+- `rewrite`: the history no longer matches what was sampled; a new segment starts and the
+  reason is recorded and counted.
+
+The prompt of an extend/fork is the stored prompt + sampled tokens + the bridge for the new
+messages only; nothing sampled is re-tokenized. After generation the engine's own report of
+the prompt is checked against what was sent, and the new turns are stored atomically:
+a request that fails stores nothing.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from session_server.conversation import (
+    Conversation,
+    ConversationError,
+    Lineage,
+    Message,
+    compile_rules,
+    lineage,
+    validate,
+)
+from session_server.engines import EngineClient, GenerationDelta
+from session_server.metrics import Metrics
+from session_server.results import (
+    ChoiceDelta,
+    ChoiceFinished,
+    ChoiceResult,
+    StreamEvent,
+    StreamFinished,
+    StreamStarted,
+    TurnResult,
+)
+from session_server.sampling import build_sampling
+from session_server.splice import ChatModel
+from session_server.store.base import (
+    LookupResult,
+    SessionMeta,
+    SessionNotFound,
+    SessionStore,
+    TurnRecord,
+)
+from session_server.streaming import ReplyStreamer
+
+RESPONSE_KEY_PREFIX = "resp:"
+
+
+class SessionMissing(LookupError):
+    """The session does not exist and sessions are not created on first use (404)."""
+
+
+class ProofFailed(RuntimeError):
+    """The engine reports a prompt other than the one tokenkeep sent (502)."""
+
+
+@dataclass(slots=True)
+class Plan:
+    """Everything decided before generation."""
+
+    session: SessionMeta
+    prompt_ids: list[int]
+    parent_id: int | None
+    segment_start: bool
+    prompt_delta: list[int]
+    kind: str
+    break_reason: str | None
+    lineage: Lineage
+    n_messages: int
+    sampling: dict[str, Any]
+    splice_seconds: float
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class ServiceConfig:
+    model_name: str
+    context_length: int
+    create_on_first_use: bool = True
+    default_ttl_seconds: int | None = 86400
+    sampling_overrides: dict[str, Any] = field(default_factory=dict)
+    generation_defaults: dict[str, Any] = field(default_factory=dict)
+    max_sessions_cached: int = 4096
+
+
+class TurnService:
+    def __init__(
+        self,
+        store: SessionStore,
+        engine: EngineClient,
+        model: ChatModel,
+        config: ServiceConfig,
+        metrics: Metrics,
+    ) -> None:
+        self.store = store
+        self.engine = engine
+        self.model = model
+        self.config = config
+        self.metrics = metrics
+        # Session metadata never changes after creation, so it is cached to save a round
+        # trip per request; a deleted session still fails at append time.
+        self._sessions: dict[str, SessionMeta] = {}
+
+    # --- sessions -------------------------------------------------------------------
+
+    async def session(self, session_id: str, *, create: bool | None = None) -> SessionMeta:
+        cached = self._sessions.get(session_id)
+        if cached is not None:
+            return cached
+        meta = await self.store.get_session(session_id)
+        if meta is None:
+            if not (self.config.create_on_first_use if create is None else create):
+                raise SessionMissing(session_id)
+            meta = await self.create_session(session_id)
+        self._remember(meta)
+        return meta
+
+    async def create_session(
+        self,
+        session_id: str,
+        *,
+        ttl_seconds: int | None = -1,
+        sampling_overrides: dict[str, Any] | None = None,
+        metadata: dict[str, Any] | None = None,
+        normalization: list[dict[str, Any]] | None = None,
+    ) -> SessionMeta:
+        from session_server.store.base import SessionExists
+
+        if normalization:
+            compile_rules(normalization)  # reject bad patterns before anything is stored
+        meta = SessionMeta(
+            session_id=session_id,
+            created_at=time.time(),
+            ttl_seconds=self.config.default_ttl_seconds if ttl_seconds == -1 else ttl_seconds,
+            sampling_overrides=dict(sampling_overrides or {}),
+            metadata=dict(metadata or {}),
+            normalization=list(normalization or []),
+        )
+        try:
+            created = await self.store.create_session(meta)
+        except SessionExists:
+            existing = await self.store.get_session(session_id)
+            if existing is None:
+                raise
+            return existing
+        self._remember(created)
+        return created
+
+    async def delete_session(self, session_id: str) -> bool:
+        self._sessions.pop(session_id, None)
+        return await self.store.delete_session(session_id)
+
+    def _remember(self, meta: SessionMeta) -> None:
+        if len(self._sessions) >= self.config.max_sessions_cached:
+            self._sessions.pop(next(iter(self._sessions)))
+        self._sessions[meta.session_id] = meta
+
+    # --- planning ---------------------------------------------------------------------
+
+    async def plan(self, session_id: str, conversation: Conversation) -> Plan:
+        validate(conversation)
+        started = time.perf_counter()
+        meta = await self.session(session_id)
+        rules = compile_rules(meta.normalization) if meta.normalization else None
+        keys = lineage(conversation, rules)
+        looked = time.perf_counter()
+        if conversation.previous_response_id:
+            found = await self._continue_response(session_id, conversation)
+        else:
+            found = await self.store.lookup(
+                session_id, keys.reply_keys_for_lookup(), keys.input_key
+            )
+        after_lookup = time.perf_counter()
+        plan = await self._classify(meta, conversation, keys, found, rules is not None)
+        plan.timings["lookup"] = after_lookup - looked
+        plan.splice_seconds = time.perf_counter() - started
+        if conversation.required_prefix_token_ids is not None:
+            prefix = conversation.required_prefix_token_ids
+            if plan.prompt_ids[: len(prefix)] != prefix:
+                raise ConversationError(
+                    "required_prefix_token_ids is not a prefix of this session's prompt",
+                    param="required_prefix_token_ids",
+                )
+        plan.sampling = build_sampling(
+            conversation,
+            meta.sampling_overrides,
+            self.config,
+            self.model,
+            prompt_length=len(plan.prompt_ids),
+        )
+        return plan
+
+    async def _continue_response(self, session_id: str, conversation: Conversation) -> LookupResult:
+        key = RESPONSE_KEY_PREFIX + str(conversation.previous_response_id)
+        turn_id = await self.store.resolve_key(session_id, key)
+        if turn_id is None:
+            raise ConversationError(
+                f"previous_response_id {conversation.previous_response_id!r} is not a "
+                "response of this session",
+                param="previous_response_id",
+            )
+        # The path lookup by reply key is generic; a response id is indexed like one.
+        return await self.store.lookup(session_id, [key], None)
+
+    async def _classify(
+        self,
+        meta: SessionMeta,
+        conversation: Conversation,
+        keys: Lineage,
+        found: LookupResult,
+        normalized: bool,
+    ) -> Plan:
+        messages = conversation.messages
+        if found.retry_of is not None:
+            retry = found.retry_of
+            prompt = _prompt_of(found.retry_path, retry)
+            return self._plan(
+                meta,
+                conversation,
+                keys,
+                prompt,
+                retry.parent_id,
+                retry.segment_start,
+                retry.prompt_delta,
+                "retry",
+                retry.break_reason,
+            )
+        if found.parent_path:
+            parent = found.parent_path[-1]
+            if conversation.previous_response_id:
+                matched = -1
+                history: list[Message] = []
+                new_messages = messages
+            else:
+                assert found.matched_key_index is not None
+                matched = keys.assistant_positions[found.matched_key_index]
+                history = messages[: matched + 1]
+                new_messages = messages[matched + 1 :]
+            stored = _tokens_through(found.parent_path)
+            bridge = self.model.bridge(
+                stored[: len(stored) - len(parent.completion_ids)],
+                parent.completion_ids,
+                parent.finish_reason,
+                history,
+                new_messages,
+                conversation.tools,
+            )
+            if bridge.delta is not None:
+                has_child = await self.store.resolve_key(meta.session_id, f"c:{parent.turn_id}")
+                kind = "fork" if has_child is not None else "extend"
+                return self._plan(
+                    meta,
+                    conversation,
+                    keys,
+                    stored + bridge.delta,
+                    parent.turn_id,
+                    False,
+                    bridge.delta,
+                    kind,
+                    None,
+                )
+            return self._rewrite(meta, conversation, keys, parent.turn_id, bridge.refusal)
+        if found.turn_count == 0:
+            prompt = self.model.render_prompt(messages, conversation.tools)
+            return self._plan(meta, conversation, keys, prompt, None, True, prompt, "first", None)
+        return self._rewrite(meta, conversation, keys, None, "history_mismatch")
+
+    def _rewrite(
+        self,
+        meta: SessionMeta,
+        conversation: Conversation,
+        keys: Lineage,
+        parent_id: int | None,
+        reason: str | None,
+    ) -> Plan:
+        prompt = self.model.render_prompt(conversation.messages, conversation.tools)
+        return self._plan(
+            meta,
+            conversation,
+            keys,
+            prompt,
+            parent_id,
+            True,
+            prompt,
+            "rewrite",
+            reason or "history_mismatch",
+        )
+
+    def _plan(
+        self,
+        meta: SessionMeta,
+        conversation: Conversation,
+        keys: Lineage,
+        prompt: list[int],
+        parent_id: int | None,
+        segment_start: bool,
+        delta: list[int],
+        kind: str,
+        reason: str | None,
+    ) -> Plan:
+        return Plan(
+            session=meta,
+            prompt_ids=prompt,
+            parent_id=parent_id,
+            segment_start=segment_start,
+            prompt_delta=list(delta),
+            kind=kind,
+            break_reason=reason,
+            lineage=keys,
+            n_messages=len(conversation.messages),
+            sampling={},
+            splice_seconds=0.0,
+        )
+
+    # --- generation -------------------------------------------------------------------
+
+    async def complete(self, session_id: str, conversation: Conversation) -> TurnResult:
+        plan = await self.plan(session_id, conversation)
+        started = time.perf_counter()
+        generation = await self.engine.generate(session_id, plan.prompt_ids, plan.sampling)
+        self.metrics.engine_seconds.observe(time.perf_counter() - started)
+        self._check_proof(plan, generation.prompt_ids)
+        replies = [
+            (
+                choice,
+                self.model.parse(
+                    choice.token_ids, choice.finish_reason, plan.prompt_ids, conversation.tools
+                ),
+            )
+            for choice in generation.choices
+        ]
+        return await self._record(
+            plan,
+            conversation,
+            [
+                _Sampled(
+                    c.index,
+                    c.token_ids,
+                    c.logprobs,
+                    c.finish_reason,
+                    c.stop_reason,
+                    reply.message,
+                    reply.finish_reason,
+                )
+                for c, reply in replies
+            ],
+        )
+
+    async def stream(
+        self, session_id: str, conversation: Conversation
+    ) -> AsyncIterator[StreamEvent]:
+        plan = await self.plan(session_id, conversation)
+        response_id = uuid.uuid4().hex
+        started = time.perf_counter()
+        streamers = [ReplyStreamer(self.model) for _ in range(conversation.n)]
+        tokens: list[list[int]] = [[] for _ in range(conversation.n)]
+        logprobs: list[list[float]] = [[] for _ in range(conversation.n)]
+        finish: list[tuple[str, int | str | None] | None] = [None] * conversation.n
+        announced = False
+        async for event in self.engine.stream(session_id, plan.prompt_ids, plan.sampling):
+            if isinstance(event, GenerationDelta):
+                if not announced:
+                    announced = True
+                    yield self._started(plan, conversation, response_id)
+                i = event.index
+                tokens[i].extend(event.token_ids)
+                logprobs[i].extend(event.logprobs)
+                text = streamers[i].feed(event.token_ids)
+                if event.token_ids or text.content or text.reasoning:
+                    yield ChoiceDelta(
+                        index=i,
+                        token_ids=list(event.token_ids),
+                        logprobs=list(event.logprobs),
+                        content=text.content,
+                        reasoning=text.reasoning,
+                    )
+                if event.finish_reason is not None:
+                    finish[i] = (event.finish_reason, event.stop_reason)
+            else:  # the engine's report of the prompt it received
+                self._check_proof(plan, event.prompt_ids)
+        self.metrics.engine_seconds.observe(time.perf_counter() - started)
+        if not announced:
+            yield self._started(plan, conversation, response_id)
+        sampled: list[_Sampled] = []
+        for i in range(conversation.n):
+            reason, stop_reason = finish[i] or ("stop", None)
+            reply = self.model.parse(tokens[i], reason, plan.prompt_ids, conversation.tools)
+            tail = streamers[i].finish(reply.message)
+            yield ChoiceFinished(
+                index=i,
+                message=reply.message,
+                finish_reason=reply.finish_reason,
+                content_tail=tail.content,
+                reasoning_tail=tail.reasoning,
+            )
+            sampled.append(
+                _Sampled(
+                    i,
+                    tokens[i],
+                    logprobs[i],
+                    reason,
+                    stop_reason,
+                    reply.message,
+                    reply.finish_reason,
+                )
+            )
+        result = await self._record(plan, conversation, sampled, response_id=response_id)
+        yield StreamFinished(result=result)
+
+    def _started(self, plan: Plan, conversation: Conversation, response_id: str) -> StreamStarted:
+        return StreamStarted(
+            session_id=plan.session.session_id,
+            prompt_ids=plan.prompt_ids,
+            kind=plan.kind,
+            break_reason=plan.break_reason,
+            created=int(time.time()),
+            model=self.config.model_name,
+            n=conversation.n,
+            response_id=response_id,
+        )
+
+    def _check_proof(self, plan: Plan, reported: list[int] | None) -> None:
+        if reported is not None and reported != plan.prompt_ids:
+            self.metrics.proof_failures.inc()
+            raise ProofFailed(
+                "the engine reports a prompt that differs from the spliced prompt "
+                f"({len(reported)} vs {len(plan.prompt_ids)} tokens); nothing was stored"
+            )
+
+    async def _record(
+        self,
+        plan: Plan,
+        conversation: Conversation,
+        sampled: list[_Sampled],
+        *,
+        response_id: str | None = None,
+    ) -> TurnResult:
+        response_id = response_id or uuid.uuid4().hex
+        records: list[TurnRecord] = []
+        keys: list[list[str]] = []
+        for i, s in enumerate(sampled):
+            records.append(
+                TurnRecord(
+                    turn_id=0,
+                    parent_id=plan.parent_id,
+                    segment_start=plan.segment_start,
+                    kind=plan.kind,
+                    break_reason=plan.break_reason,
+                    prompt_delta=plan.prompt_delta,
+                    completion_ids=s.token_ids,
+                    logprobs=[math.nan if lp is None else lp for lp in s.logprobs],
+                    finish_reason=s.engine_finish,
+                    stop_reason=s.stop_reason,
+                    n_messages=plan.n_messages,
+                    api=conversation.api,
+                    extra={"splice_ms": round(plan.splice_seconds * 1000, 3)},
+                )
+            )
+            turn_keys = [plan.lineage.reply_key(s.message), plan.lineage.input_key]
+            if i == 0:
+                turn_keys.append(RESPONSE_KEY_PREFIX + response_id)
+            if plan.parent_id is not None:
+                turn_keys.append(f"c:{plan.parent_id}")
+            keys.append(turn_keys)
+        try:
+            ids = await self.store.append_turns(plan.session.session_id, records, keys)
+        except SessionNotFound:
+            self._sessions.pop(plan.session.session_id, None)
+            raise
+        self.metrics.turns.labels(kind=plan.kind).inc(len(records))
+        if plan.break_reason and plan.kind in ("rewrite",):
+            self.metrics.segment_breaks.labels(reason=plan.break_reason).inc()
+        self.metrics.splice_seconds.observe(plan.splice_seconds)
+        return TurnResult(
+            session_id=plan.session.session_id,
+            prompt_ids=plan.prompt_ids,
+            choices=[
+                ChoiceResult(
+                    index=s.index,
+                    turn_id=turn_id,
+                    message=s.message,
+                    token_ids=s.token_ids,
+                    logprobs=s.logprobs,
+                    finish_reason=s.api_finish,
+                    stop_reason=s.stop_reason,
+                )
+                for s, turn_id in zip(sampled, ids, strict=True)
+            ],
+            kind=plan.kind,
+            break_reason=plan.break_reason,
+            created=int(time.time()),
+            model=self.config.model_name,
+            response_id=response_id,
+            parent_turn_id=plan.parent_id,
+        )
+
+
+@dataclass(slots=True)
+class _Sampled:
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    engine_finish: str
+    stop_reason: int | str | None
+    message: Message
+    api_finish: str
+
+
+def _tokens_through(path: list[TurnRecord]) -> list[int]:
+    """Prompt + completion tokens of the last turn of `path`, from its segment's start."""
+    start = max(i for i, t in enumerate(path) if t.segment_start or i == 0)
+    tokens: list[int] = []
+    for turn in path[start:]:
+        tokens.extend(turn.prompt_delta)
+        tokens.extend(turn.completion_ids)
+    return tokens
+
+
+def _prompt_of(parent_path: list[TurnRecord], turn: TurnRecord) -> list[int]:
+    if turn.segment_start or not parent_path:
+        return list(turn.prompt_delta)
+    return _tokens_through(parent_path) + turn.prompt_delta
