@@ -78,10 +78,14 @@ class ChatModel:
         for extra in _generation_config_eos(tokenizer):
             if extra not in stop_ids:
                 stop_ids.append(extra)
-        self.stop_token_ids: list[int] = stop_ids
         self.close_token_id: int | None = detect_close_token(tokenizer) or (
             stop_ids[0] if stop_ids else None
         )
+        if self.close_token_id is not None and self.close_token_id not in stop_ids:
+            # The token a template puts after an assistant message is where a turn ends,
+            # whatever the tokenizer calls its EOS (Llama 3: <|eot_id|>, not <|end_of_text|>).
+            stop_ids.append(self.close_token_id)
+        self.stop_token_ids: list[int] = stop_ids
         self.vocab_size = len(tokenizer)
 
     # --- rendering --------------------------------------------------------------------

@@ -162,10 +162,10 @@ def decode_turn(turn_id: int, blob: bytes) -> TurnRecord:
     offset = HEADER_SIZE
     rare = json.loads(blob[offset : offset + rare_len]) if rare_len else {}
     offset += rare_len
-    prompt = _unpack_tokens(blob, offset, n_prompt, width)
-    offset += n_prompt * width
-    completion = _unpack_tokens(blob, offset, n_completion, width)
-    offset += n_completion * width
+    # Prompt and completion IDs are adjacent: unpack them in one go.
+    tokens = _unpack_tokens(blob, offset, n_prompt + n_completion, width)
+    prompt, completion = tokens[:n_prompt], tokens[n_prompt:]
+    offset += (n_prompt + n_completion) * width
     logprobs = np.frombuffer(blob, dtype="<f4", count=n_completion, offset=offset).tolist()
     return TurnRecord(
         turn_id=turn_id,

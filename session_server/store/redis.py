@@ -13,6 +13,7 @@ Lookups and appends are Lua scripts (EVALSHA), so each is one round trip and ato
 from __future__ import annotations
 
 from importlib.resources import files
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -58,7 +59,7 @@ class RedisStore:
     async def create_session(self, meta: SessionMeta) -> SessionMeta:
         validate_meta(meta)
         packed = encode_meta(meta)
-        ttl_ms = "" if meta.ttl_seconds is None else str(meta.ttl_seconds * 1000)
+        ttl_ms = "" if meta.ttl_seconds is None else str(round(meta.ttl_seconds * 1000))
         created = await self._create(keys=self.session_keys(meta.session_id), args=[packed, ttl_ms])
         if not created:
             raise SessionExists(meta.session_id)
@@ -126,7 +127,7 @@ class RedisStore:
         first = int(reply[1])
         return list(range(first, first + len(batch.blobs)))
 
-    async def _read(self, session_id: str, key: str, command: str, *args: str | int) -> object:
+    async def _read(self, session_id: str, key: str, command: str, *args: str | int) -> Any:
         """Run one read command on a session key, raising SessionNotFound if the session is
         gone; one round trip (MULTI/EXEC) so the existence check and the read agree."""
         meta_key = self.session_keys(session_id)[0]
@@ -145,8 +146,7 @@ class RedisStore:
 
     async def all_turns(self, session_id: str) -> list[TurnRecord]:
         turns_key = self.session_keys(session_id)[1]
-        raw = await self._read(session_id, turns_key, "HGETALL")
-        assert isinstance(raw, dict)
+        raw: dict[bytes, bytes] = await self._read(session_id, turns_key, "HGETALL")
         records = (decode_turn(int(turn_id), blob) for turn_id, blob in raw.items())
         return sorted(records, key=lambda r: r.turn_id)
 
@@ -155,8 +155,7 @@ class RedisStore:
             await self._read(session_id, self.session_keys(session_id)[0], "EXISTS")
             return []
         turns_key = self.session_keys(session_id)[1]
-        blobs = await self._read(session_id, turns_key, "HMGET", *turn_ids)
-        assert isinstance(blobs, list)
+        blobs: list[bytes | None] = await self._read(session_id, turns_key, "HMGET", *turn_ids)
         return [
             None if blob is None else decode_turn(turn_id, blob)
             for turn_id, blob in zip(turn_ids, blobs, strict=True)

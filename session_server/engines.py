@@ -1,0 +1,562 @@
+"""Token-in/token-out client for vLLM replicas: affinity, health, retries, fallback.
+
+Wire protocol (vLLM 0.32, `--enable-scale-out`): `POST /inference/v1/generate` with
+`{"token_ids": [...], "sampling_params": {...}, "return_token_ids": true, "stream": bool,
+"model": ..., "request_id": ...}`. The answer carries per choice `token_ids`, `finish_reason`,
+`stop_reason` and, with `sampling_params.logprobs = 0`, the sampled token's logprob at
+`choices[i].logprobs.content[j].logprob`; `prompt_token_ids` at the top (streaming: in the
+first chunk only). Streaming sends one SSE `data:` chunk per engine step and choice, ends with
+`data: [DONE]`, and reports a failure after the 200 as a `data: {"error": {...}}` line.
+Engines without the endpoint get the same request as `/v1/completions` on a token-ID prompt.
+
+Replica choice is rendezvous (highest-random-weight) hashing of the session id over the healthy
+replicas, so every session-server process sends a session to the same engine (its prefix cache
+holds the conversation) and losing a replica moves only that replica's sessions. A request that
+fails before its first token is retried on the next replica in the session's order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import httpx
+
+logger = logging.getLogger(__name__)
+
+GENERATE_PATH = "/inference/v1/generate"
+COMPLETIONS_PATH = "/v1/completions"
+HEALTH_PATH = "/health"
+# vLLM reads this header for session-aware scheduling; it costs nothing to send.
+SESSION_HEADER = "X-Session-ID"
+
+
+@dataclass(slots=True)
+class EngineChoice:
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    stop_reason: int | str | None
+
+
+@dataclass(slots=True)
+class Generation:
+    prompt_ids: list[int] | None  # as the engine reported them
+    choices: list[EngineChoice]
+    engine_url: str
+    latency_s: float
+
+
+@dataclass(slots=True)
+class StreamStart:
+    """First event of a stream: the engine accepted the request and sent its first chunk.
+    From here on the request is no longer retried elsewhere."""
+
+    engine_url: str
+    prompt_ids: list[int] | None  # as the engine reported them
+
+
+@dataclass(slots=True)
+class GenerationDelta:
+    index: int
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str | None
+    stop_reason: int | str | None
+
+
+StreamEvent = StreamStart | GenerationDelta
+
+
+class EngineError(Exception):
+    """A generation failed. `status` is the HTTP status to give the client: the engine's own
+    4xx passes through; an unreachable or failing engine is 502/503, a timeout 504."""
+
+    def __init__(self, status: int, message: str, type: str, *, param: str | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+
+    def __repr__(self) -> str:
+        return f"EngineError({self.status}, {self.message!r}, {self.type!r})"
+
+
+class _Retryable(Exception):
+    """Failed before the first token on one replica: try the next one."""
+
+    def __init__(self, error: EngineError, *, mark_down: bool):
+        super().__init__(error.message)
+        self.error = error
+        self.mark_down = mark_down
+
+
+class Protocol(Enum):
+    GENERATE = "generate"
+    COMPLETIONS = "completions"
+
+
+@dataclass(slots=True)
+class Replica:
+    url: str
+    healthy: bool = True  # optimistic until a check or a request says otherwise
+    protocol: Protocol = Protocol.GENERATE
+    consecutive_failures: int = 0
+
+
+def rendezvous_order(session_id: str, urls: list[str]) -> list[str]:
+    """Replica URLs ranked for a session, best first. Stable across processes and restarts
+    (a keyed hash, not Python's randomised `hash`)."""
+
+    def weight(url: str) -> bytes:
+        return hashlib.blake2b(f"{session_id}\x00{url}".encode(), digest_size=8).digest()
+
+    return sorted(urls, key=weight, reverse=True)
+
+
+def _engine_error(status: int, body: bytes) -> EngineError:
+    """vLLM's error body is `{"error": {"message", "type", "param", "code"}}`; anything else
+    (a proxy's HTML page, FastAPI's `{"detail": ...}`) is kept as text."""
+    try:
+        payload = json.loads(body)
+    except ValueError:
+        payload = None
+    if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
+        error = payload["error"]
+        return EngineError(
+            status,
+            str(error.get("message", "")),
+            str(error.get("type", "EngineError")),
+            param=error.get("param"),
+        )
+    if isinstance(payload, dict) and "detail" in payload:
+        return EngineError(status, str(payload["detail"]), "EngineError")
+    return EngineError(status, body.decode(errors="replace")[:500], "EngineError")
+
+
+def _client_status(engine_status: int) -> int:
+    """4xx is the request's fault and goes back as is; a failing engine is a bad gateway."""
+    if 400 <= engine_status < 500:
+        return engine_status
+    return 503 if engine_status == 503 else 502
+
+
+def _timeout(url: str, exc: Exception) -> EngineError:
+    return EngineError(504, f"engine {url} timed out: {exc!r}", "EngineTimeout")
+
+
+def _is_missing_route(error: EngineError) -> bool:
+    # A 404 for the path itself (endpoint not enabled) says "Not Found"; a 404 for an unknown
+    # model names the model, and must not switch the replica to the fallback.
+    return error.status == 404 and error.message.strip() == "Not Found"
+
+
+class EngineClient:
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        model: str,
+        timeout_s: float = 600,
+        connect_timeout_s: float = 5.0,
+        health_interval_s: float = 5.0,
+        max_connections: int = 512,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ):
+        if not urls:
+            raise ValueError("at least one engine URL is required")
+        self.model = model
+        self.health_interval_s = health_interval_s
+        self._replicas = {url.rstrip("/"): Replica(url.rstrip("/")) for url in urls}
+        self._http = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            limits=httpx.Limits(
+                max_connections=max_connections, max_keepalive_connections=max_connections
+            ),
+            transport=transport,
+        )
+        self._health_timeout = httpx.Timeout(min(2.0, health_interval_s))
+        self._health_task: asyncio.Task[None] | None = None
+
+    @property
+    def replicas(self) -> list[Replica]:
+        return list(self._replicas.values())
+
+    async def start(self) -> None:
+        """Check every replica once, then keep checking in the background."""
+        await self.check_health()
+        if self._health_task is None:
+            self._health_task = asyncio.create_task(self._health_loop(), name="engine-health")
+
+    async def close(self) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health_task
+            self._health_task = None
+        await self._http.aclose()
+
+    async def __aenter__(self) -> EngineClient:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        await self.close()
+
+    async def ready(self) -> bool:
+        """At least one replica answers its health check."""
+        if self._health_task is None:
+            await self.check_health()
+        return any(replica.healthy for replica in self._replicas.values())
+
+    async def check_health(self) -> None:
+        await asyncio.gather(*(self._check(r) for r in self._replicas.values()))
+
+    async def _check(self, replica: Replica) -> None:
+        try:
+            response = await self._http.get(replica.url + HEALTH_PATH, timeout=self._health_timeout)
+            healthy = response.status_code == 200
+        except httpx.HTTPError:
+            healthy = False
+        if healthy != replica.healthy:
+            logger.warning("engine %s is now %s", replica.url, "up" if healthy else "down")
+        replica.healthy = healthy
+        if healthy:
+            replica.consecutive_failures = 0
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            try:
+                await self.check_health()
+            except Exception:  # the loop must outlive any single bad check
+                logger.exception("engine health check failed")
+
+    def order_for(self, session_id: str) -> list[Replica]:
+        """Replicas to try for a session: healthy ones in rendezvous order. If none is marked
+        healthy, all of them (a stale mark must not turn into a guaranteed failure)."""
+        healthy = [url for url, r in self._replicas.items() if r.healthy]
+        ranked = rendezvous_order(session_id, healthy or list(self._replicas))
+        return [self._replicas[url] for url in ranked]
+
+    def _mark_down(self, replica: Replica, reason: str) -> None:
+        replica.consecutive_failures += 1
+        if replica.healthy:
+            logger.warning("engine %s marked down: %s", replica.url, reason)
+        replica.healthy = False
+
+    # --- requests -------------------------------------------------------------------------
+
+    def _request(
+        self,
+        replica: Replica,
+        session_id: str,
+        prompt_ids: list[int],
+        sampling: dict[str, Any],
+        stream: bool,
+    ) -> tuple[str, dict[str, Any]]:
+        request_id = f"{session_id}-{uuid.uuid4().hex[:16]}"
+        params = dict(sampling)
+        if params.get("logprobs") is None:
+            params["logprobs"] = 0  # the sampled token's logprob, no alternatives
+        if replica.protocol is Protocol.GENERATE:
+            return GENERATE_PATH, {
+                "request_id": request_id,
+                "model": self.model,
+                "token_ids": prompt_ids,
+                "sampling_params": params,
+                "return_token_ids": True,
+                "stream": stream,
+            }
+        return COMPLETIONS_PATH, {
+            **params,
+            "request_id": request_id,
+            "model": self.model,
+            "prompt": prompt_ids,
+            "return_token_ids": True,
+            "stream": stream,
+        }
+
+    async def generate(
+        self, session_id: str, prompt_ids: list[int], sampling: dict[str, Any]
+    ) -> Generation:
+        started = time.perf_counter()
+        last_error: EngineError | None = None
+        for replica in self.order_for(session_id):
+            try:
+                generation = await self._generate_on(replica, session_id, prompt_ids, sampling)
+            except _Retryable as failure:
+                last_error = failure.error
+                if failure.mark_down:
+                    self._mark_down(replica, failure.error.message)
+                logger.warning("engine %s failed, trying next: %s", replica.url, failure.error)
+                continue
+            generation.latency_s = time.perf_counter() - started
+            return generation
+        assert last_error is not None
+        raise last_error
+
+    async def _post(
+        self,
+        replica: Replica,
+        session_id: str,
+        prompt_ids: list[int],
+        sampling: dict[str, Any],
+        stream: bool,
+    ) -> httpx.Response:
+        """Send the request (stream=True: headers only) and settle the endpoint question:
+        a replica without the token endpoint is switched to the completions fallback."""
+        while True:
+            path, body = self._request(replica, session_id, prompt_ids, sampling, stream)
+            request = self._http.build_request(
+                "POST", replica.url + path, json=body, headers={SESSION_HEADER: session_id}
+            )
+            try:
+                response = await self._http.send(request, stream=True)
+            except (httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+                raise _Retryable(
+                    EngineError(
+                        503, f"engine {replica.url} unreachable: {exc!r}", "EngineUnavailable"
+                    ),
+                    mark_down=isinstance(exc, httpx.ConnectTimeout),
+                ) from exc
+            except httpx.TimeoutException as exc:
+                # The engine took the request and is slow: running it again elsewhere would
+                # double the wait, so this one is final.
+                raise _timeout(replica.url, exc) from exc
+            except httpx.HTTPError as exc:
+                raise _Retryable(
+                    EngineError(
+                        503, f"engine {replica.url} unreachable: {exc!r}", "EngineUnavailable"
+                    ),
+                    mark_down=True,
+                ) from exc
+            if response.status_code == 200:
+                return response
+            body_bytes = await response.aread()
+            await response.aclose()
+            error = _engine_error(response.status_code, body_bytes)
+            if _is_missing_route(error) and replica.protocol is Protocol.GENERATE:
+                logger.warning(
+                    "engine %s has no %s; using %s", replica.url, GENERATE_PATH, COMPLETIONS_PATH
+                )
+                replica.protocol = Protocol.COMPLETIONS
+                continue
+            error.status = _client_status(error.status)
+            if error.status >= 500:
+                raise _Retryable(error, mark_down=response.status_code == 503)
+            raise error
+
+    async def _generate_on(
+        self, replica: Replica, session_id: str, prompt_ids: list[int], sampling: dict[str, Any]
+    ) -> Generation:
+        response = await self._post(replica, session_id, prompt_ids, sampling, stream=False)
+        try:
+            body = await response.aread()
+        except httpx.TimeoutException as exc:
+            raise _timeout(replica.url, exc) from exc
+        except httpx.HTTPError as exc:
+            raise _Retryable(
+                EngineError(
+                    502, f"engine {replica.url} dropped the response: {exc!r}", "EngineUnavailable"
+                ),
+                mark_down=False,
+            ) from exc
+        finally:
+            await response.aclose()
+        try:
+            payload = json.loads(body)
+        except ValueError as exc:
+            raise _Retryable(
+                EngineError(502, f"engine {replica.url} sent invalid JSON", "EngineProtocolError"),
+                mark_down=False,
+            ) from exc
+        if replica.protocol is Protocol.GENERATE:
+            return _parse_generate(payload, replica.url)
+        return _parse_completions(payload, replica.url)
+
+    async def stream(
+        self, session_id: str, prompt_ids: list[int], sampling: dict[str, Any]
+    ) -> AsyncIterator[StreamEvent]:
+        """Yields one `StreamStart`, then `GenerationDelta`s as the engine samples. Failures
+        before the first chunk move to the next replica; after it they raise `EngineError`.
+        Closing the iterator early closes the connection, which makes vLLM abort the request."""
+        last_error: EngineError | None = None
+        for replica in self.order_for(session_id):
+            try:
+                response = await self._post(replica, session_id, prompt_ids, sampling, True)
+            except _Retryable as failure:
+                last_error = failure.error
+                if failure.mark_down:
+                    self._mark_down(replica, failure.error.message)
+                logger.warning("engine %s failed, trying next: %s", replica.url, failure.error)
+                continue
+            parse = (
+                _deltas_from_generate_chunk
+                if replica.protocol is Protocol.GENERATE
+                else _deltas_from_completions_chunk
+            )
+            started = False
+            try:
+                async for chunk in _sse_payloads(response, replica.url):
+                    prompt_ids_seen, deltas = parse(chunk)
+                    if not started:
+                        started = True
+                        yield StreamStart(replica.url, prompt_ids_seen)
+                    for delta in deltas:
+                        yield delta
+                return
+            except _Retryable as failure:
+                if started:
+                    raise failure.error from failure
+                last_error = failure.error
+                logger.warning(
+                    "engine %s failed before the first token, trying next: %s",
+                    replica.url,
+                    failure.error,
+                )
+            finally:
+                await response.aclose()
+        assert last_error is not None
+        raise last_error
+
+
+# --- wire parsing -----------------------------------------------------------------------
+
+
+async def _sse_payloads(response: httpx.Response, url: str) -> AsyncIterator[dict[str, Any]]:
+    """The JSON payloads of an SSE body, up to `data: [DONE]`. vLLM sends single-line
+    `data:` events only. An error event or a body that ends without [DONE] raises
+    `_Retryable` (the caller decides whether a token already went out)."""
+    try:
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue  # blank separators, comments, other fields
+            data = line[5:].strip()
+            if data == "[DONE]":
+                return
+            try:
+                payload = json.loads(data)
+            except ValueError as exc:
+                raise _Retryable(
+                    EngineError(
+                        502, f"engine {url} sent an invalid SSE line", "EngineProtocolError"
+                    ),
+                    mark_down=False,
+                ) from exc
+            if "error" in payload and not payload.get("choices"):
+                error = _engine_error(200, data.encode())
+                error.status = _client_status(int(payload["error"].get("code") or 500))
+                if error.status < 500:
+                    raise error
+                raise _Retryable(error, mark_down=False)
+            yield payload
+    except httpx.TimeoutException as exc:
+        raise _timeout(url, exc) from exc
+    except httpx.HTTPError as exc:
+        raise _Retryable(
+            EngineError(502, f"engine {url} dropped the stream: {exc!r}", "EngineUnavailable"),
+            mark_down=False,
+        ) from exc
+    raise _Retryable(
+        EngineError(502, f"engine {url} ended the stream without [DONE]", "EngineUnavailable"),
+        mark_down=False,
+    )
+
+
+def _generate_logprobs(choice: dict[str, Any]) -> list[float]:
+    logprobs = choice.get("logprobs") or {}
+    return [entry["logprob"] for entry in logprobs.get("content") or ()]
+
+
+def _completions_logprobs(choice: dict[str, Any]) -> list[float]:
+    logprobs = choice.get("logprobs") or {}
+    return [lp if lp is not None else float("nan") for lp in logprobs.get("token_logprobs") or ()]
+
+
+def _parse_generate(payload: dict[str, Any], url: str) -> Generation:
+    choices = [
+        EngineChoice(
+            index=c["index"],
+            token_ids=c.get("token_ids") or [],
+            logprobs=_generate_logprobs(c),
+            finish_reason=c.get("finish_reason") or "stop",
+            stop_reason=c.get("stop_reason"),
+        )
+        for c in payload.get("choices", ())
+    ]
+    choices.sort(key=lambda c: c.index)
+    return Generation(payload.get("prompt_token_ids"), choices, url, 0.0)
+
+
+def _parse_completions(payload: dict[str, Any], url: str) -> Generation:
+    raw = payload.get("choices", ())
+    choices = [
+        EngineChoice(
+            index=c["index"],
+            token_ids=c.get("token_ids") or [],
+            logprobs=_completions_logprobs(c),
+            finish_reason=c.get("finish_reason") or "stop",
+            stop_reason=c.get("stop_reason"),
+        )
+        for c in raw
+    ]
+    choices.sort(key=lambda c: c.index)
+    prompt_ids = next((c["prompt_token_ids"] for c in raw if c.get("prompt_token_ids")), None)
+    return Generation(prompt_ids, choices, url, 0.0)
+
+
+def _deltas_from_generate_chunk(
+    chunk: dict[str, Any],
+) -> tuple[list[int] | None, list[GenerationDelta]]:
+    return chunk.get("prompt_token_ids"), [
+        GenerationDelta(
+            index=c["index"],
+            token_ids=c.get("token_ids") or [],
+            logprobs=_generate_logprobs(c),
+            finish_reason=c.get("finish_reason"),
+            stop_reason=c.get("stop_reason"),
+        )
+        for c in chunk.get("choices", ())
+    ]
+
+
+def _deltas_from_completions_chunk(
+    chunk: dict[str, Any],
+) -> tuple[list[int] | None, list[GenerationDelta]]:
+    raw = chunk.get("choices", ())
+    prompt_ids = next((c["prompt_token_ids"] for c in raw if c.get("prompt_token_ids")), None)
+    return prompt_ids, [
+        GenerationDelta(
+            index=c["index"],
+            token_ids=c.get("token_ids") or [],
+            logprobs=_completions_logprobs(c),
+            finish_reason=c.get("finish_reason"),
+            stop_reason=c.get("stop_reason"),
+        )
+        for c in raw
+    ]
+
+
+__all__ = [
+    "EngineChoice",
+    "EngineClient",
+    "EngineError",
+    "Generation",
+    "GenerationDelta",
+    "Replica",
+    "StreamEvent",
+    "StreamStart",
+    "rendezvous_order",
+]

