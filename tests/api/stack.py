@@ -1,0 +1,130 @@
+"""A real session server (memory store, real Qwen3 tokenizer) in front of the engine double,
+driven by the official SDKs over an in-process ASGI transport.
+
+Completions are scripted as Qwen3 token IDs, split into non-canonical pieces where that is
+what a model can sample, so every test shows whether the engine saw the sampled tokens again.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import anthropic
+import httpx2
+import openai
+from fastapi import FastAPI
+
+from session_server.app import build_service, create_app
+from session_server.settings import Settings
+from session_server.splice import ChatModel
+from session_server.tokenizer import load_tokenizer
+from session_server.turns import TurnService
+from tests.engine_double import EngineDouble, RecordedRequest, ScriptedCompletion
+from tests.tokenizers import qwen3_dir
+
+BASE = "http://tokenkeep.test"
+
+
+@functools.cache
+def qwen3() -> ChatModel:
+    return ChatModel(load_tokenizer(str(qwen3_dir())))
+
+
+def pieces(*texts: str) -> list[int]:
+    """Token IDs of `texts` encoded one by one: special tokens by name, the rest split the
+    way a model may sample it (not the canonical BPE of the whole string)."""
+    tokenizer = qwen3().tokenizer
+    ids: list[int] = []
+    for text in texts:
+        special = tokenizer.convert_tokens_to_ids(text)
+        if text in tokenizer.get_vocab() and text.startswith("<"):
+            ids.append(special)
+        else:
+            ids.extend(tokenizer.encode(text, add_special_tokens=False))
+    return ids
+
+
+def reply(*texts: str, finish: str = "stop") -> ScriptedCompletion:
+    """A completion ending with <|im_end|> (the stop token vLLM reports), unless cut short."""
+    ids = pieces(*texts)
+    if finish == "length":
+        return ScriptedCompletion(ids, finish_reason="length")
+    return ScriptedCompletion([*ids, pieces("<|im_end|>")[0]], stop_reason=None)
+
+
+def tool_call(
+    name: str, arguments_json: str, *, think: str | None = None, text: str = ""
+) -> ScriptedCompletion:
+    """A Qwen3 tool call, its JSON sampled exactly as given (compact, odd key order...)."""
+    head = ("<think>", "\n" + think + "\n", "</think>", "\n\n") if think is not None else ()
+    body = ('\n{"name": "', name, '", "arguments": ', arguments_json, "}\n")
+    return reply(*head, *((text,) if text else ()), "<tool_call>", *body, "</tool_call>")
+
+
+@dataclass
+class Stack:
+    app: FastAPI
+    service: TurnService
+    double: EngineDouble
+    sent: list[ScriptedCompletion] = field(default_factory=list)
+
+    def script(self, *completions: ScriptedCompletion) -> None:
+        self.sent.extend(completions)
+        self.double.script(*completions)
+
+    def transport(self) -> httpx2.AsyncBaseTransport:
+        return httpx2.ASGITransport(app=self.app)
+
+    def anthropic(self, session_id: str) -> anthropic.AsyncAnthropic:
+        return anthropic.AsyncAnthropic(
+            api_key=f"tk-{session_id}",
+            base_url=f"{BASE}/sessions/{session_id}",
+            max_retries=0,
+            http_client=httpx2.AsyncClient(transport=self.transport()),
+        )
+
+    def openai(self, session_id: str) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(
+            api_key=f"tk-{session_id}",
+            base_url=f"{BASE}/sessions/{session_id}/v1",
+            max_retries=0,
+            http_client=httpx2.AsyncClient(transport=self.transport()),
+        )
+
+    async def get(self, path: str) -> Any:
+        async with httpx2.AsyncClient(transport=self.transport(), base_url=BASE) as http:
+            response = await http.get(path)
+            response.raise_for_status()
+            return response.json()
+
+    def engine_requests(self) -> list[RecordedRequest]:
+        return list(self.double.requests)
+
+    def assert_contiguous(self) -> None:
+        """Each engine request starts with the previous one's prompt plus every token the
+        double sampled for it, unchanged."""
+        requests = self.engine_requests()
+        assert len(requests) == len(self.sent), (len(requests), len(self.sent))
+        for before, after, sampled in zip(requests, requests[1:], self.sent, strict=False):
+            history = before.prompt_ids + sampled.token_ids
+            assert after.prompt_ids[: len(history)] == history
+
+
+@asynccontextmanager
+async def serving(double: EngineDouble, **settings: Any) -> AsyncIterator[Stack]:
+    double.reset()
+    config = Settings(
+        engine_urls=[double.url], model=double.model, tokenizer=str(qwen3_dir()), **settings
+    )
+    service = build_service(config, model=qwen3())
+    app = create_app(config, service)
+    # The ASGI transport runs no lifespan: start and stop the engine client here.
+    await service.engine.start()
+    try:
+        yield Stack(app=app, service=service, double=double)
+    finally:
+        await service.engine.close()
