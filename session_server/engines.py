@@ -30,6 +30,7 @@ from enum import Enum
 from typing import Any
 
 import httpx
+import orjson
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +123,12 @@ class Replica:
     healthy: bool = True  # optimistic until a check or a request says otherwise
     protocol: Protocol = Protocol.GENERATE
     consecutive_failures: int = 0
+
+
+def encode_body(body: dict[str, Any]) -> bytes:
+    """The request body as JSON bytes: the prompt's token IDs dominate it, and orjson
+    serialises 32k of them in a fraction of a millisecond (json.dumps: several)."""
+    return orjson.dumps(body)
 
 
 def rendezvous_order(session_id: str, urls: list[str]) -> list[str]:
@@ -377,7 +384,10 @@ class EngineClient:
         while True:
             path, body = self._body(replica, call)
             request = self._http.build_request(
-                "POST", replica.url + path, json=body, headers={SESSION_HEADER: call.session_id}
+                "POST",
+                replica.url + path,
+                content=encode_body(body),
+                headers={SESSION_HEADER: call.session_id, "content-type": "application/json"},
             )
             try:
                 response = await self._http.send(request, stream=True)

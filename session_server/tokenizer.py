@@ -1,4 +1,11 @@
-"""Loading the served model's tokenizer (with its chat template) from a path or an id."""
+"""Loading the served model's tokenizer (with its chat template) from a path or an id.
+
+`FastTokenizer` puts the Rust `tokenizers` backend on the hot path. The renderers call
+`encode` / `decode` for every message they bridge, and the Hugging Face Python wrapper costs
+several milliseconds per call on top of the Rust encoder (batch plumbing, and character
+offsets the renderers then use for content attribution that tokenkeep never reads). Chat
+templates still go through the Hugging Face tokenizer, which owns them.
+"""
 
 from __future__ import annotations
 
@@ -6,10 +13,61 @@ import os
 from typing import Any
 
 
-def load_tokenizer(path_or_id: str) -> Any:
+class FastTokenizer:
+    """The renderers' `Tokenizer` protocol over the Rust backend of a HF fast tokenizer.
+
+    Deliberately not an `OffsetTokenizer` (no `__call__`): without offsets, renderers skip
+    per-token content attribution, which tokenkeep does not use."""
+
+    def __init__(self, hf_tokenizer: Any) -> None:
+        self.hf = hf_tokenizer
+        self._backend = hf_tokenizer.backend_tokenizer
+        self.name_or_path: str = hf_tokenizer.name_or_path
+        self.unk_token_id: int | None = hf_tokenizer.unk_token_id
+        self.eos_token_id: int | None = hf_tokenizer.eos_token_id
+        self.chat_template: str | None = getattr(hf_tokenizer, "chat_template", None)
+        self.model_max_length: int = hf_tokenizer.model_max_length
+        self.all_special_ids: list[int] = list(hf_tokenizer.all_special_ids)
+        self.added_tokens_decoder = hf_tokenizer.added_tokens_decoder
+        self._vocab: dict[str, int] = hf_tokenizer.get_vocab()
+
+    def encode(
+        self, text: str, *args: Any, add_special_tokens: bool = False, **kwargs: Any
+    ) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(
+        self, token_ids: Any, *args: Any, skip_special_tokens: bool = False, **kwargs: Any
+    ) -> str:
+        return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def convert_tokens_to_ids(self, tokens: Any) -> Any:
+        if isinstance(tokens, str):
+            return self._vocab.get(tokens, self.unk_token_id)
+        return [self._vocab.get(t, self.unk_token_id) for t in tokens]
+
+    def convert_ids_to_tokens(self, ids: Any) -> Any:
+        if isinstance(ids, int):
+            return self._backend.id_to_token(ids)
+        return [self._backend.id_to_token(i) for i in ids]
+
+    def get_vocab(self) -> dict[str, int]:
+        return self._vocab
+
+    def apply_chat_template(self, *args: Any, **kwargs: Any) -> Any:
+        return self.hf.apply_chat_template(*args, **kwargs)
+
+    def __len__(self) -> int:
+        return len(self.hf)
+
+
+def load_tokenizer(path_or_id: str) -> FastTokenizer:
     if not path_or_id:
         raise ValueError("--tokenizer is required (a local directory or a Hugging Face id)")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path_or_id)
+    hf = AutoTokenizer.from_pretrained(path_or_id)
+    if not getattr(hf, "is_fast", False):
+        raise ValueError(f"{path_or_id}: tokenkeep needs a fast (tokenizer.json) tokenizer")
+    return FastTokenizer(hf)

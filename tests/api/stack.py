@@ -24,7 +24,7 @@ from session_server.splice import ChatModel
 from session_server.tokenizer import load_tokenizer
 from session_server.turns import TurnService
 from tests.engine_double import EngineDouble, RecordedRequest, ScriptedCompletion
-from tests.tokenizers import qwen3_dir
+from tests.real_tokenizers import qwen3_dir
 
 BASE = "http://tokenkeep.test"
 

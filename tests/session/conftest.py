@@ -22,7 +22,7 @@ from session_server.tokenizer import load_tokenizer
 from session_server.turns import TurnService
 from tests.engine_double import EngineDouble, _engine_double_pool, engine_double, engine_doubles
 from tests.live_server import serving
-from tests.tokenizers import llama32_dir, qwen3_dir
+from tests.real_tokenizers import llama32_dir, qwen3_dir
 
 __all__ = ["_engine_double_pool", "engine_double", "engine_doubles"]
 

@@ -1,0 +1,231 @@
+"""Per-turn overhead of the session server versus a full re-render, side by side.
+
+For a tool-using Qwen3 conversation with 1k, 8k and 32k tokens of history, one run measures:
+- tokenkeep: everything the session server does per turn besides generating — lineage
+  lookup, classification, splice with proof, sampling merge, serialising the engine request,
+  and storing the new turn — against the embedded store and against a real Redis;
+- re-render: the chat template over the whole history plus tokenization (what a server that
+  re-tokenizes does per turn), with the same tokenizer, on the same machine, in the same run.
+
+The engine is not involved (its time is the model's); the bench calls the service's own
+planning and recording steps and the engine client's own body encoder.
+
+Run: .venv/bin/python bench/bench_turn_overhead.py [--out bench/results/turn_overhead.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from session_server.conversation import Conversation, Message, Tool, ToolCall
+from session_server.engines import EngineClient, _Call, encode_body
+from session_server.metrics import Metrics
+from session_server.splice import ChatModel
+from session_server.store.memory import MemoryStore
+from session_server.store.redis import RedisStore
+from session_server.tokenizer import load_tokenizer
+from session_server.turns import ServiceConfig, TurnService, _Sampled
+
+# tests/ helpers, shared rather than copied. Appended, not prepended: the repo root holds
+# operator/, which must not shadow the standard library's `operator`.
+sys.path.append(str(Path(__file__).resolve().parents[1]))
+from tests.real_tokenizers import qwen3_dir
+from tests.redis_server import start_redis_server, stop_redis_server
+
+SIZES = (1_000, 8_000, 32_000)
+SAMPLES = 200
+TOOLS = [Tool("read_file", "Read a file.", {"type": "object", "properties": {"path": {}}})]
+
+
+def _tool_output(model: ChatModel, index: int, tokens: int) -> str:
+    text = f"# file {index}\n" + " ".join(f"line{index}_{k} = value{k}" for k in range(tokens))
+    ids = model.encode(text)[:tokens]
+    return model.decode(ids)
+
+
+async def _grow(
+    service: TurnService, model: ChatModel, session_id: str, target: int
+) -> list[Message]:
+    """Store turns (a tool call, ~1k tokens of tool output) until the history reaches
+    `target` tokens; returns the messages a harness would send for the next turn."""
+    messages = [Message("system", "You are a coding agent."), Message("user", "Fix the bug.")]
+    turn = 0
+    while True:
+        conversation = Conversation(messages=list(messages), tools=TOOLS)
+        plan = await service.plan(session_id, conversation)
+        if len(plan.prompt_ids) >= target:
+            return messages
+        args = f'{{"path": "src/module_{turn}.py"}}'
+        call_text = f'<tool_call>\n{{"name": "read_file", "arguments": {args}}}\n</tool_call>'
+        completion = [*model.encode(call_text), model.stop_token_ids[0]]
+        reply = model.parse(completion, "stop", plan.prompt_ids, TOOLS)
+        await service._record(
+            plan,
+            conversation,
+            [
+                _Sampled(
+                    0,
+                    completion,
+                    [-0.1] * len(completion),
+                    "stop",
+                    None,
+                    reply.message,
+                    reply.finish_reason,
+                )
+            ],
+        )
+        call = ToolCall(f"call_{turn}", "read_file", args)
+        messages += [
+            Message("assistant", "", tool_calls=[call]),
+            Message("tool", _tool_output(model, turn, 1000), tool_call_id=call.id),
+        ]
+        turn += 1
+
+
+def _percentiles(samples: list[float]) -> tuple[float, float]:
+    ordered = sorted(samples)
+    return statistics.median(ordered) * 1000, ordered[int(len(ordered) * 0.95)] * 1000
+
+
+async def _measure(
+    service: TurnService, model: ChatModel, session_id: str, target: int
+) -> dict[str, Any]:
+    messages = await _grow(service, model, session_id, target)
+    engine = EngineClient(["http://127.0.0.1:9"], model="bench")
+    replica = engine.replicas[0]
+    completion = [*model.encode("Done."), model.stop_token_ids[0]]
+    overhead: list[float] = []
+    history_tokens = 0
+    for i in range(SAMPLES):
+        # A different last tool output each time: every sample is a real splice (a fork of
+        # the same parent), not a retry of an identical input.
+        last = messages[-1]
+        varied = Message(last.role, f"{last.content} #{i}", tool_call_id=last.tool_call_id)
+        conversation = Conversation(messages=[*messages[:-1], varied], tools=TOOLS)
+        started = time.perf_counter()
+        plan = await service.plan(session_id, conversation)
+        _, body = engine._body(
+            replica, _Call(session_id, plan.prompt_ids, plan.sampling, None, False)
+        )
+        encode_body(body)
+        reply = model.parse(completion, "stop", plan.prompt_ids, TOOLS)
+        await service._record(
+            plan,
+            conversation,
+            [
+                _Sampled(
+                    0,
+                    completion,
+                    [-0.1] * len(completion),
+                    "stop",
+                    None,
+                    reply.message,
+                    reply.finish_reason,
+                )
+            ],
+        )
+        overhead.append(time.perf_counter() - started)
+        assert plan.kind in ("extend", "fork"), plan.kind
+        history_tokens = len(plan.prompt_ids)
+    await engine.close()
+    rerender: list[float] = []
+    template_messages = [
+        {
+            "role": m.role,
+            "content": m.content,
+            **(
+                {
+                    "tool_calls": [
+                        {
+                            "type": "function",
+                            "id": c.id,
+                            "function": {"name": c.name, "arguments": {"path": "x"}},
+                        }
+                        for c in m.tool_calls
+                    ]
+                }
+                if m.tool_calls
+                else {}
+            ),
+            **({"tool_call_id": m.tool_call_id} if m.tool_call_id else {}),
+        }
+        for m in messages
+    ]
+    tools = [t.as_openai() for t in TOOLS]
+    for _ in range(max(20, SAMPLES // 10)):
+        started = time.perf_counter()
+        model.tokenizer.apply_chat_template(
+            template_messages,
+            tools=tools,
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        rerender.append(time.perf_counter() - started)
+    return {
+        "history": history_tokens,
+        "overhead": _percentiles(overhead),
+        "rerender": _percentiles(rerender),
+    }
+
+
+async def main(out: Path) -> None:
+    model = ChatModel(load_tokenizer(str(qwen3_dir())))
+    proc, url = start_redis_server(Path("/tmp"))
+    rows = []
+    try:
+        for store_name, make_store in (("memory", MemoryStore), ("redis", lambda: RedisStore(url))):
+            for size in SIZES:
+                store = make_store()
+                service = TurnService(
+                    store,
+                    EngineClient(["http://127.0.0.1:9"], model="bench"),
+                    model,
+                    ServiceConfig(model_name="bench", context_length=131072),
+                    Metrics(),
+                )
+                print(f"{store_name} {size}...", flush=True)
+                result = await _measure(service, model, f"bench-{size}", size)
+                await store.close()
+                rows.append((store_name, size, result))
+    finally:
+        stop_redis_server(proc)
+    lines = [
+        "# Per-turn overhead: tokenkeep vs full re-render",
+        "",
+        f"Run {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC on {platform.machine()}, "
+        f"{platform.python_implementation()} {platform.python_version()}, "
+        "2 cores shared with other work. `bench/bench_turn_overhead.py`.",
+        "",
+        "tokenkeep = lookup + classify + splice/proof + sampling + engine request encoding + "
+        "store append (p50/p95 over "
+        f"{SAMPLES} turns). Re-render = Qwen3 chat template + tokenize of the same history.",
+        "",
+        "| store | history tokens | tokenkeep p50 ms | tokenkeep p95 ms | re-render p50 ms "
+        "| re-render p95 ms | ratio (p50) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for store_name, _size, r in rows:
+        (op50, op95), (rp50, rp95) = r["overhead"], r["rerender"]
+        lines.append(
+            f"| {store_name} | {r['history']} | {op50:.2f} | {op95:.2f} | {rp50:.1f} | "
+            f"{rp95:.1f} | {rp50 / op50:.0f}x |"
+        )
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=Path("bench/results/turn_overhead.md"))
+    asyncio.run(main(parser.parse_args().out))
