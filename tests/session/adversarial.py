@@ -12,6 +12,9 @@ from typing import Any
 
 from session_server.splice import ChatModel
 
+END = "<end-of-turn>"
+"""Stands for the model's own end-of-turn token (Qwen3 <|im_end|>, Llama 3 <|eot_id|>)."""
+
 Piece = str | int | bytes
 
 
@@ -28,13 +31,16 @@ def _byte_level_chars() -> dict[int, str]:
 
 
 def tokens(model: ChatModel, *pieces: Piece) -> list[int]:
-    """Encode each text piece on its own (forcing the split), special tokens by name
-    (`"<|im_end|>"`), raw bytes as byte-level tokens."""
+    """Encode each text piece on its own (forcing the split), special tokens by name,
+    `END` as the end-of-turn token, raw bytes as byte-level tokens."""
     vocab = model.tokenizer.get_vocab()
     out: list[int] = []
     for piece in pieces:
         if isinstance(piece, int):
             out.append(piece)
+        elif piece == END:
+            assert model.close_token_id is not None
+            out.append(model.close_token_id)
         elif isinstance(piece, bytes):
             byte_chars = _byte_level_chars()
             out.extend(vocab[byte_chars[b]] for b in piece)
@@ -151,18 +157,18 @@ def _has_tool_call(name: str) -> Callable[[Any], None]:
 
 
 def _tool_call(body: str) -> Callable[[ChatModel], list[int]]:
-    return lambda m: tokens(m, "<tool_call>", "\n", body, "\n", "</tool_call>", "<|im_end|>")
+    return lambda m: tokens(m, "<tool_call>", "\n", body, "\n", "</tool_call>", END)
 
 
 SCENARIOS: list[Scenario] = [
     Scenario(
         "bpe_split",
-        lambda m: tokens(m, "Hel", "lo", " there", "<|im_end|>"),
+        lambda m: tokens(m, "Hel", "lo", " there", END),
         tools=False,
     ),
     Scenario(
         "literal_tool_call_in_subwords",
-        lambda m: tokens(m, "Wrap calls in ", "<", "tool", "_call", ">", " tags.", "<|im_end|>"),
+        lambda m: tokens(m, "Wrap calls in ", "<", "tool", "_call", ">", " tags.", END),
         check=lambda message: _is_text_with_tag(message),
     ),
     Scenario(
@@ -201,7 +207,7 @@ SCENARIOS: list[Scenario] = [
             '{"name": "get_weather", "arguments": {"city": "Oslo"}}',
             "\n",
             "</tool_call>",
-            "<|im_end|>",
+            END,
         ),
         check=_has_tool_call("get_weather"),
     ),
@@ -214,19 +220,19 @@ SCENARIOS: list[Scenario] = [
             "</think>",
             "\n\n",
             "It is sunny.",
-            "<|im_end|>",
+            END,
         ),
         tools=False,
     ),
     Scenario(
         "merge_across_prompt_completion_boundary",
-        lambda m: tokens(m, "\n\n", "Answer: 42", "<|im_end|>"),
+        lambda m: tokens(m, "\n\n", "Answer: 42", END),
         harness=_stripped,
         tools=False,
     ),
     Scenario(
         "partial_utf8_character",
-        lambda m: tokens(m, "Price: ", b"\xe2\x82", " only", "<|im_end|>"),
+        lambda m: tokens(m, "Price: ", b"\xe2\x82", " only", END),
         tools=False,
     ),
     Scenario(
@@ -243,7 +249,7 @@ SCENARIOS: list[Scenario] = [
     ),
     Scenario(
         "whitespace_stripped_by_harness",
-        lambda m: tokens(m, "  Sure, here it is.  ", "\n", "<|im_end|>"),
+        lambda m: tokens(m, "  Sure, here it is.  ", "\n", END),
         harness=_stripped,
         tools=False,
     ),

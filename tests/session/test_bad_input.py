@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from tests.engine_double import HttpFault, ScriptedCompletion, StreamErrorFault
-from tests.session.adversarial import tokens
+from tests.session.adversarial import END, tokens
 from tests.session.conftest import Stack
 
 USER = [{"role": "user", "content": "Hello"}]
@@ -24,7 +24,7 @@ def _snapshot(stack: Stack, session_id: str) -> dict[str, Any]:
 
 @pytest.fixture
 def seeded(stack: Stack) -> Stack:
-    stack.double.script(ScriptedCompletion(tokens(stack.model, "Hi", "<|im_end|>")))
+    stack.double.script(ScriptedCompletion(tokens(stack.model, "Hi", END)))
     stack.openai("bad").chat.completions.create(model="m", messages=USER)
     return stack
 
@@ -114,7 +114,7 @@ def test_engine_rejection_passes_through_as_400(seeded: Stack) -> None:
 
 def test_error_mid_stream_is_reported_in_band_and_stores_nothing(seeded: Stack) -> None:
     before = _snapshot(seeded, "bad")
-    seeded.double.script(ScriptedCompletion(tokens(seeded.model, "a", "b", "c", "<|im_end|>")))
+    seeded.double.script(ScriptedCompletion(tokens(seeded.model, "a", "b", "c", END)))
     seeded.double.fail_next(StreamErrorFault(after_tokens=2))
     stream = seeded.openai("bad").chat.completions.create(
         model="m",

@@ -9,14 +9,14 @@ import openai
 
 from session_server.conversation import Message
 from tests.engine_double import ScriptedCompletion
-from tests.session.adversarial import TOOLS, reply_as_harness_sends, tokens
+from tests.session.adversarial import END, TOOLS, reply_as_harness_sends, tokens
 from tests.session.conftest import Stack
 
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 def _say(stack: Stack, *pieces: Any) -> list[int]:
-    ids = tokens(stack.model, *pieces, "<|im_end|>")
+    ids = tokens(stack.model, *pieces, END)
     stack.double.script(ScriptedCompletion(ids))
     return ids
 
@@ -42,8 +42,8 @@ def test_retry_is_a_sibling_with_the_same_prompt(stack: Stack) -> None:
 
 def test_n2_each_choice_is_a_turn_and_either_can_be_continued(stack: Stack) -> None:
     client = stack.openai("n2")
-    a = tokens(stack.model, "Option", " A", "<|im_end|>")
-    b = tokens(stack.model, "Opt", "ion B", "<|im_end|>")
+    a = tokens(stack.model, "Option", " A", END)
+    b = tokens(stack.model, "Opt", "ion B", END)
     stack.double.script(ScriptedCompletion(a), ScriptedCompletion(b))
     both = client.chat.completions.create(model="m", messages=USER, n=2)
     assert [c.token_ids for c in both.choices] == [a, b]
