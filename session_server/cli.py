@@ -48,15 +48,27 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+# Subcommands that own their argument parsing: the rest of the command line goes to them.
+_DELEGATED = {
+    "engine": ("session_server.localengine", "a real vLLM engine on this machine's CPU"),
+    "operator": ("tokenkeep_operator.cli", "run the Kubernetes operator"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _DELEGATED:
+        import importlib
+
+        module = importlib.import_module(_DELEGATED[argv[0]][0])
+        return int(module.main(argv[1:]) or 0)
     parser = argparse.ArgumentParser(prog="tokenkeep", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _serve_parser(sub)
+    for name, (_module, help_text) in _DELEGATED.items():
+        sub.add_parser(name, help=help_text, add_help=False)
     args = parser.parse_args(argv)
-    if args.command == "serve":
-        return serve(args)
-    parser.error(f"unknown command {args.command}")
-    return 2
+    return serve(args)
 
 
 if __name__ == "__main__":
