@@ -206,9 +206,18 @@ class Lineage:
         return ["r:" + self.keys[j] for j in self.assistant_positions]
 
 
-def lineage(conversation: Conversation, rules: list[re.Pattern[str]] | None = None) -> Lineage:
-    """O(messages): one hash per message."""
-    state = hashlib.blake2b(tools_fingerprint(conversation.tools), digest_size=12).digest()
+def lineage(
+    conversation: Conversation,
+    rules: list[re.Pattern[str]] | None = None,
+    *,
+    after: str | None = None,
+) -> Lineage:
+    """O(messages): one hash per message. `after` (a stored turn's reply key) continues the
+    chain from that turn, for requests that send only the messages after it."""
+    if after is not None:
+        state = bytes.fromhex(after.removeprefix("r:"))
+    else:
+        state = hashlib.blake2b(tools_fingerprint(conversation.tools), digest_size=12).digest()
     keys: list[str] = []
     assistant_positions: list[int] = []
     for j, message in enumerate(conversation.messages):

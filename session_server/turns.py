@@ -20,6 +20,7 @@ a request that fails stores nothing.
 from __future__ import annotations
 
 import math
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -176,11 +177,11 @@ class TurnService:
         started = time.perf_counter()
         meta = await self.session(session_id)
         rules = compile_rules(meta.normalization) if meta.normalization else None
-        keys = lineage(conversation, rules)
         looked = time.perf_counter()
         if conversation.previous_response_id:
-            found = await self._continue_response(session_id, conversation)
+            found, keys = await self._continue_response(session_id, conversation, rules)
         else:
+            keys = lineage(conversation, rules)
             found = await self.store.lookup(
                 session_id, keys.reply_keys_for_lookup(), keys.input_key
             )
@@ -204,17 +205,22 @@ class TurnService:
         )
         return plan
 
-    async def _continue_response(self, session_id: str, conversation: Conversation) -> LookupResult:
+    async def _continue_response(
+        self, session_id: str, conversation: Conversation, rules: list[re.Pattern[str]] | None
+    ) -> tuple[LookupResult, Lineage]:
+        """A Responses API request that names the turn it continues and sends only the
+        items after it. The lineage continues from that turn's stored reply key, so a later
+        request that resends the whole history finds the same turns."""
         key = RESPONSE_KEY_PREFIX + str(conversation.previous_response_id)
-        turn_id = await self.store.resolve_key(session_id, key)
-        if turn_id is None:
+        if await self.store.resolve_key(session_id, key) is None:
             raise ConversationError(
                 f"previous_response_id {conversation.previous_response_id!r} is not a "
                 "response of this session",
                 param="previous_response_id",
             )
-        # The path lookup by reply key is generic; a response id is indexed like one.
-        return await self.store.lookup(session_id, [key], None)
+        found = await self.store.lookup(session_id, [key], None)
+        keys = lineage(conversation, rules, after=found.parent_path[-1].extra.get("reply_key"))
+        return found, keys
 
     async def _classify(
         self,
@@ -453,6 +459,7 @@ class TurnService:
         records: list[TurnRecord] = []
         keys: list[list[str]] = []
         for i, s in enumerate(sampled):
+            reply_key = plan.lineage.reply_key(s.message)
             records.append(
                 TurnRecord(
                     turn_id=0,
@@ -467,10 +474,11 @@ class TurnService:
                     stop_reason=s.stop_reason,
                     n_messages=plan.n_messages,
                     api=conversation.api,
-                    extra={"splice_ms": round(plan.splice_seconds * 1000, 3)},
+                    extra={"splice_ms": round(plan.splice_seconds * 1000, 3),
+                           "reply_key": reply_key},
                 )
             )
-            turn_keys = [plan.lineage.reply_key(s.message), plan.lineage.input_key]
+            turn_keys = [reply_key, plan.lineage.input_key]
             if i == 0:
                 turn_keys.append(RESPONSE_KEY_PREFIX + response_id)
             if plan.parent_id is not None:
