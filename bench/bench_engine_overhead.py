@@ -2,7 +2,9 @@
 
 The engine is the vLLM-protocol double (tests/engine_double.py) in its own process, so the
 numbers measure the client (request building, rendezvous, SSE parsing), not a model. Each case
-runs the same requests through a bare `httpx.AsyncClient` and through `EngineClient`.
+runs the same requests through a bare `httpx.AsyncClient` and through `EngineClient`; loopback
+numbers include the double's own time and the machine's noise, so `stream_parse_in_memory`
+also measures the client's SSE handling alone, from memory.
 
     .venv/bin/python bench/bench_engine_overhead.py   # writes bench/results/engine_overhead.json
 """
@@ -53,15 +55,21 @@ def percentiles(samples: list[float]) -> dict[str, float]:
     }
 
 
-async def bare(url: str, stream: bool) -> list[float]:
+async def measure(url: str, stream: bool) -> tuple[list[float], list[float]]:
+    """Alternates one bare request and one client request, so drift (the machine's load, the
+    double's growing request log) hits both sides alike."""
     body = {
         "token_ids": PROMPT,
         "sampling_params": {**SAMPLING, "logprobs": 0},
         "return_token_ids": True,
         "stream": stream,
     }
-    times = []
-    async with httpx.AsyncClient() as http:
+    bare_times: list[float] = []
+    client_times: list[float] = []
+    async with (
+        httpx.AsyncClient() as http,
+        EngineClient([url], model="tokenkeep-tiny-qwen3", health_interval_s=3600) as client,
+    ):
         for i in range(ROUNDS + 10):
             started = time.perf_counter()
             if stream:
@@ -71,24 +79,16 @@ async def bare(url: str, stream: bool) -> list[float]:
                             json.loads(line[5:])
             else:
                 json.loads((await http.post(url + "/inference/v1/generate", json=body)).content)
-            if i >= 10:
-                times.append(time.perf_counter() - started)
-    return times
-
-
-async def client(url: str, stream: bool) -> list[float]:
-    times = []
-    async with EngineClient([url], model="tokenkeep-tiny-qwen3", health_interval_s=3600) as c:
-        for i in range(ROUNDS + 10):
-            started = time.perf_counter()
+            middle = time.perf_counter()
             if stream:
-                async for _event in c.stream(f"s{i}", PROMPT, SAMPLING):
+                async for _event in client.stream(f"s{i}", PROMPT, SAMPLING):
                     pass
             else:
-                await c.generate(f"s{i}", PROMPT, SAMPLING)
-            if i >= 10:
-                times.append(time.perf_counter() - started)
-    return times
+                await client.generate(f"s{i}", PROMPT, SAMPLING)
+            if i >= 10:  # warm-up
+                bare_times.append(middle - started)
+                client_times.append(time.perf_counter() - middle)
+    return bare_times, client_times
 
 
 def run_case(completion_len: int, stream: bool) -> dict[str, Any]:
@@ -98,8 +98,7 @@ def run_case(completion_len: int, stream: bool) -> dict[str, Any]:
     process.start()
     try:
         url = f"http://127.0.0.1:{port_out.get(timeout=30)}"
-        bare_times = asyncio.run(bare(url, stream))
-        client_times = asyncio.run(client(url, stream))
+        bare_times, client_times = asyncio.run(measure(url, stream))
     finally:
         process.kill()
         process.join()
@@ -111,6 +110,42 @@ def run_case(completion_len: int, stream: bool) -> dict[str, Any]:
         "bare_httpx": bare_stats,
         "engine_client": client_stats,
         "overhead_p50_ms": round(client_stats["p50_ms"] - bare_stats["p50_ms"], 3),
+    }
+
+
+async def parse_cost(completion_len: int) -> dict[str, float]:
+    """Client cost alone: a recorded-shape SSE body served from memory (no sockets, no server),
+    read bare (lines + json.loads) and through EngineClient.stream."""
+    from tests.engine_double import ScriptedCompletion, _generate_chunks
+
+    tokens = [*range(5000, 5000 + completion_len - 1), 151645]
+    chunks = _generate_chunks("r", PROMPT, [ScriptedCompletion(tokens)], want_logprobs=True)
+    sse = ("".join(chunks) + "data: [DONE]\n\n").encode()
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=sse, headers={"content-type": "text/event-stream"})
+
+    transport = httpx.MockTransport(handler)
+    rounds = 50
+    async with httpx.AsyncClient(transport=transport) as http:
+        started = time.perf_counter()
+        for _ in range(rounds):
+            async with http.stream("POST", "http://engine/inference/v1/generate", json={}) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data:") and line[5:].strip() != "[DONE]":
+                        json.loads(line[5:])
+        bare_s = (time.perf_counter() - started) / rounds
+    async with EngineClient(["http://engine"], model="m", transport=transport) as c:
+        started = time.perf_counter()
+        for _ in range(rounds):
+            async for _event in c.stream("s", PROMPT, SAMPLING):
+                pass
+        client_s = (time.perf_counter() - started) / rounds
+    return {
+        "completion_tokens": completion_len,
+        "bare_ms": round(bare_s * 1000, 3),
+        "engine_client_ms": round(client_s * 1000, 3),
+        "client_us_per_token": round((client_s - bare_s) / completion_len * 1e6, 2),
     }
 
 
@@ -130,6 +165,7 @@ def main() -> None:
         f"Python {platform.python_version()}",
         "rounds": ROUNDS,
         "cases": cases,
+        "stream_parse_in_memory": asyncio.run(parse_cost(LONG)),
         "rendezvous_order_us": {n: rendezvous_cost(n) for n in (2, 8, 32)},
     }
     out = ROOT / "bench" / "results" / "engine_overhead.json"
