@@ -468,16 +468,19 @@ async def _sse_payloads(response: httpx.Response, url: str) -> AsyncIterator[dic
                 return
             try:
                 payload = json.loads(data)
-            except ValueError as exc:
+            except ValueError:
+                payload = None
+            if not isinstance(payload, dict):
                 raise _Retryable(
                     EngineError(
                         502, f"engine {url} sent an invalid SSE line", "EngineProtocolError"
                     ),
                     mark_down=False,
-                ) from exc
-            if "error" in payload and not payload.get("choices"):
+                )
+            if (error_info := payload.get("error")) is not None and not payload.get("choices"):
+                code = error_info.get("code") if isinstance(error_info, dict) else None
                 error = _engine_error(200, data.encode())
-                error.status = _client_status(int(payload["error"].get("code") or 500))
+                error.status = _client_status(code if isinstance(code, int) else 500)
                 if error.status < 500:
                     raise error
                 raise _Retryable(error, mark_down=False)

@@ -26,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -100,8 +101,9 @@ def _run_step(
     description: str, argv: Sequence[str], log_path: Path, progress: Progress, started: float
 ) -> None:
     """Run one setup command, its output going to `log_path`, with a progress line every 10 s
-    naming the command's latest output line, so a long pip install visibly moves."""
+    (pip is silent for minutes while it unpacks torch) naming the latest output line."""
     progress(f"[engine] {description} … ({time.monotonic() - started:.0f}s)")
+    latest = [""]
     with open(log_path, "a") as log:
         log.write(f"\n$ {' '.join(argv)}\n")
         log.flush()
@@ -113,16 +115,25 @@ def _run_step(
             cwd=engine_dir(),
             env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PYTHONSAFEPATH": "1"},
         )
-        assert proc.stdout is not None
-        last_report = time.monotonic()
-        for line in proc.stdout:
-            log.write(line)
-            now = time.monotonic()
-            if now - last_report >= 10 and line.strip():
-                progress(f"[engine]   {line.strip()[:100]} ({now - started:.0f}s)")
-                last_report = now
-        if proc.wait() != 0:
-            raise LocalEngineError(f"{description} failed (exit {proc.returncode}); see {log_path}")
+
+        def copy_output() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                log.write(line)
+                if line.strip():
+                    latest[0] = line.strip()
+
+        reader = threading.Thread(target=copy_output, daemon=True)
+        reader.start()
+        while True:
+            try:
+                proc.wait(timeout=10)
+                break
+            except subprocess.TimeoutExpired:
+                progress(f"[engine]   {latest[0][:100]} ({time.monotonic() - started:.0f}s)")
+        reader.join()
+    if proc.returncode != 0:
+        raise LocalEngineError(f"{description} failed (exit {proc.returncode}); see {log_path}")
 
 
 def _find_python() -> str:
