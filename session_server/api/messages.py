@@ -270,15 +270,15 @@ def tool_input(call: ToolCall) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def stop_reason(choice: ChoiceResult | ChoiceFinished, stop_reason: Any) -> tuple[str, str | None]:
+def anthropic_stop(choice: ChoiceResult) -> tuple[str, str | None]:
     """Anthropic's `stop_reason` and `stop_sequence` for a finished choice."""
     if choice.finish_reason == "tool_calls" or choice.message.tool_calls:
         return "tool_use", None
     if choice.finish_reason == "length":
         return "max_tokens", None
-    if isinstance(stop_reason, str):
+    if isinstance(choice.stop_reason, str):
         # vLLM reports the matched stop string; a stop token id means a natural end.
-        return "stop_sequence", stop_reason
+        return "stop_sequence", choice.stop_reason
     return "end_turn", None
 
 
@@ -312,7 +312,7 @@ def usage(result: TurnResult) -> dict[str, int]:
 
 def message_response(result: TurnResult) -> dict[str, Any]:
     choice = result.choices[0]
-    reason, sequence = stop_reason(choice, choice.stop_reason)
+    reason, sequence = anthropic_stop(choice)
     return {
         "id": message_id(result.response_id),
         "type": "message",
@@ -423,7 +423,7 @@ async def message_stream(events: AsyncIterator[StreamEvent]) -> AsyncIterator[by
                 frames.append(_block_event("content_block_stop", index))
         elif isinstance(event, StreamFinished):
             choice = event.result.choices[0]
-            reason, sequence = stop_reason(choice, choice.stop_reason)
+            reason, sequence = anthropic_stop(choice)
             frames.append(
                 _event(
                     {

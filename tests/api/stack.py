@@ -71,6 +71,8 @@ class Stack:
     service: TurnService
     double: EngineDouble
     sent: list[ScriptedCompletion] = field(default_factory=list)
+    url: str | None = None
+    """Set while the app also serves on a real port (for harnesses run as processes)."""
 
     def script(self, *completions: ScriptedCompletion) -> None:
         self.sent.extend(completions)
@@ -96,7 +98,9 @@ class Stack:
         )
 
     async def get(self, path: str) -> Any:
-        async with httpx2.AsyncClient(transport=self.transport(), base_url=BASE) as http:
+        # Over the real port while there is one: the app's store then lives on its loop.
+        transport = None if self.url else self.transport()
+        async with httpx2.AsyncClient(transport=transport, base_url=self.url or BASE) as http:
             response = await http.get(path)
             response.raise_for_status()
             return response.json()
