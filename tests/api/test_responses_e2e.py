@@ -155,11 +155,6 @@ async def test_failures_get_openai_errors_and_store_nothing(double: EngineDouble
         assert summary["turns"] == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="core: a turn continued by previous_response_id is keyed by its new items only, "
-    "so resending the whole history afterwards no longer finds it",
-)
 async def test_resent_items_after_previous_response_id(double: EngineDouble) -> None:
     async with serving(double) as stack:
         stack.script(reply("one"), reply("two"), reply("three"))

@@ -15,7 +15,7 @@ from tests.api.stack import Stack, qwen3
 from tests.engine_double import EngineDouble
 from tests.harnesses.recording import RequestRecorder
 from tests.live_server import serving
-from tests.tokenizers import qwen3_dir
+from tests.real_tokenizers import qwen3_dir
 
 # Harness prompts are long (Claude Code sends ~12k tokens of system prompt and tools).
 CONTEXT = 65536
