@@ -2,8 +2,10 @@
 
 The custom resources are reconciled on create, update and resume; their status is refreshed
 whenever a child they own changes (Deployments, StatefulSets, pods, claims: found through the
-owner label every child and pod carries), and on a slow timer as a safety net. No finalizers:
-every child is garbage-collected through its owner reference.
+owner label every child and pod carries). No finalizers: every child is garbage-collected
+through its owner reference, so deleting a resource never waits for the operator. (That is
+also why there are no Kopf timers here: Kopf puts a finalizer on every resource a timer runs
+for.)
 """
 
 from __future__ import annotations
@@ -22,7 +24,6 @@ from tokenkeep_operator.reconcile import ApplyError, Reconciler
 
 MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY}
 OWNER_LABELS = {f"{GROUP}/modelserver": "ModelServer", f"{GROUP}/sessionserver": "SessionServer"}
-REFRESH_INTERVAL_SECONDS = 60.0
 APPLY_RETRY_SECONDS = 60
 
 
@@ -78,16 +79,6 @@ def model_server_event(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> 
     served name reconfigures it, and its readiness explains the session server's."""
     for session_server in memo.reconciler.session_servers_using(namespace, name):
         _reconcile(memo.reconciler.reconcile_session_server, namespace, session_server)
-
-
-@kopf.timer(GROUP, VERSION, "modelservers", interval=REFRESH_INTERVAL_SECONDS)
-def model_server_tick(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
-    memo.reconciler.refresh_model_server(namespace, name)
-
-
-@kopf.timer(GROUP, VERSION, "sessionservers", interval=REFRESH_INTERVAL_SECONDS)
-def session_server_tick(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
-    memo.reconciler.refresh_session_server(namespace, name)
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=MANAGED)

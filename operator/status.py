@@ -152,6 +152,20 @@ def _is_loading(pods: list[dict[str, Any]]) -> bool:
     )
 
 
+def _lost_replicas(pods: list[dict[str, Any]]) -> list[Problem]:
+    """Replicas that had started (loaded the model) and then stopped passing readiness:
+    unlike one still loading, this is a failure."""
+    lost = [
+        pod["metadata"]["name"]
+        for pod in pods
+        for c in pod.get("status", {}).get("containerStatuses", [])
+        if c.get("started") and not c.get("ready")
+    ]
+    if not lost:
+        return []
+    return [Problem(REPLICAS_UNAVAILABLE, f"started but not ready: {', '.join(sorted(lost))}")]
+
+
 @dataclass(frozen=True)
 class Rollout:
     desired: int
@@ -209,8 +223,8 @@ def workload_conditions(
     problems += [p for p in claim_problems(workload.claims, workload.pods) if p not in problems]
     if state.stalled and not problems:
         problems.append(Problem(ROLLOUT_STALLED, f"{what} rollout exceeded its deadline"))
-    if state.rolled_out and state.ready < desired and not problems:
-        problems.append(Problem(REPLICAS_UNAVAILABLE, f"{state.ready} of {desired} replicas ready"))
+    if not problems:
+        problems += _lost_replicas(workload.pods)
     all_ready = state.ready >= desired
     if desired == 0:
         ready = condition(READY, False, SCALED_TO_ZERO, f"{what} has 0 replicas", generation)

@@ -259,7 +259,7 @@ class FakeApiServer:
             self._changed = asyncio.Event()
         return obj
 
-    def _delete(self, key: Key) -> dict[str, Any]:
+    def _delete(self, key: Key, *, collect: bool = True) -> dict[str, Any]:
         obj = self.objects[key]
         meta = obj["metadata"]
         if meta.get("finalizers"):
@@ -269,7 +269,8 @@ class FakeApiServer:
                 self._store(key, obj, "MODIFIED")
             return obj
         self._store(key, copy.deepcopy(obj), "DELETED")
-        self._collect_garbage()
+        if collect:
+            self._collect_garbage()
         return obj
 
     def _collect_garbage(self) -> None:
@@ -286,7 +287,7 @@ class FakeApiServer:
             if not orphans:
                 return
             for key in orphans:
-                self._delete(key)
+                self._delete(key, collect=False)
 
     # --- request routing -----------------------------------------------------------------
 
@@ -586,11 +587,17 @@ class FakeApiServer:
                 if updated["status"] is None:
                     del updated["status"]
             meta = updated.setdefault("metadata", {})
-            for fixed in ("uid", "creationTimestamp", "name", "namespace", "generation"):
-                if fixed in current["metadata"]:
-                    meta[fixed] = current["metadata"][fixed]
-                if "deletionTimestamp" in current["metadata"]:
-                    meta["deletionTimestamp"] = current["metadata"]["deletionTimestamp"]
+            fixed = (
+                "uid",
+                "creationTimestamp",
+                "name",
+                "namespace",
+                "generation",
+                "deletionTimestamp",
+            )
+            for field in fixed:
+                if field in current["metadata"]:
+                    meta[field] = current["metadata"][field]
         updated = self._validated(kind, updated)
         updated["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
         if updated == current:

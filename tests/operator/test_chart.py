@@ -149,3 +149,13 @@ def test_example_stack_matches_the_crds_and_points_the_session_server_at_the_mod
     sessions = next(d for d in documents if d["kind"] == "SessionServer")
     assert sessions["spec"]["modelServerRef"]["name"] == model["metadata"]["name"] == "qwen3-4b"
     assert model["metadata"]["namespace"] == sessions["metadata"]["namespace"] == NAMESPACE
+
+
+def test_image_user_matches_what_pods_run_as(helm: Path) -> None:
+    """runAsNonRoot needs a numeric USER in the image, equal to the pods' runAsUser."""
+    from tokenkeep_operator.manifests.session import TOKENKEEP_UID
+
+    dockerfile = (REPO_ROOT / "Dockerfile").read_text()
+    assert f"USER {TOKENKEEP_UID}:{TOKENKEEP_UID}" in dockerfile
+    deployment = next(d for d in render(helm, VALUES[0]) if d["kind"] == "Deployment")
+    assert deployment["spec"]["template"]["spec"]["securityContext"]["runAsUser"] == TOKENKEEP_UID

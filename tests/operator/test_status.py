@@ -1,0 +1,152 @@
+"""Conditions computed from observed children: what kubelet and scheduler report becomes a
+reason a user can act on."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tokenkeep_operator import status as st
+
+
+def deployment(replicas: int, ready: int, generation: int = 1, **extra: Any) -> dict[str, Any]:
+    return {
+        "metadata": {"generation": generation, "annotations": {"tokenkeep.dev/generation": "4"}},
+        "spec": {"replicas": replicas},
+        "status": {
+            "observedGeneration": generation,
+            "replicas": replicas,
+            "updatedReplicas": replicas,
+            "readyReplicas": ready,
+            **extra,
+        },
+    }
+
+
+def pod(status: dict[str, Any], name: str = "p") -> dict[str, Any]:
+    return {"metadata": {"name": name}, "status": status}
+
+
+def waiting(reason: str, message: str) -> dict[str, Any]:
+    return {
+        "phase": "Pending",
+        "containerStatuses": [
+            {"name": "vllm", "state": {"waiting": {"reason": reason, "message": message}}}
+        ],
+    }
+
+
+def conditions_of(workload: st.Workload, desired: int = 1) -> dict[str, tuple[str, str]]:
+    found = st.workload_conditions(workload, desired, 4, what="vLLM", gpu_resource="nvidia.com/gpu")
+    return {c["type"]: (c["status"], c["reason"]) for c in found}
+
+
+def test_all_replicas_ready_is_available() -> None:
+    assert conditions_of(st.Workload(deployment(2, 2)), desired=2) == {
+        "Ready": ("True", "Available"),
+        "Progressing": ("False", "RolloutComplete"),
+        "Degraded": ("False", "AsExpected"),
+    }
+
+
+def test_reasons_come_from_pod_states() -> None:
+    cases = {
+        "SecretNotFound": waiting("CreateContainerConfigError", 'secret "hf-token" not found'),
+        "ImagePullFailed": waiting("ImagePullBackOff", "Back-off pulling image"),
+        "CrashLoop": waiting("CrashLoopBackOff", "back-off 5m0s"),
+        "InsufficientGPU": {
+            "phase": "Pending",
+            "conditions": [
+                {
+                    "type": "PodScheduled",
+                    "status": "False",
+                    "reason": "Unschedulable",
+                    "message": "0/3 nodes are available: 3 Insufficient nvidia.com/gpu.",
+                }
+            ],
+        },
+        "PVCPending": {
+            "phase": "Pending",
+            "conditions": [
+                {
+                    "type": "PodScheduled",
+                    "status": "False",
+                    "reason": "Unschedulable",
+                    "message": "0/3 nodes are available: "
+                    "pod has unbound immediate PersistentVolumeClaims.",
+                }
+            ],
+        },
+    }
+    for reason, pod_status in cases.items():
+        found = conditions_of(st.Workload(deployment(1, 0), [pod(pod_status)]))
+        assert found["Ready"] == ("False", reason), reason
+        assert found["Degraded"] == ("True", reason), reason
+
+
+def test_the_most_actionable_reason_wins() -> None:
+    pods = [
+        pod(waiting("CrashLoopBackOff", ""), "a"),
+        pod(waiting("CreateContainerConfigError", 'secret "x" not found'), "b"),
+    ]
+    assert conditions_of(st.Workload(deployment(2, 0), pods), 2)["Degraded"] == (
+        "True",
+        "SecretNotFound",
+    )
+
+
+def test_loading_model_is_progress_not_degradation() -> None:
+    loading = {
+        "phase": "Running",
+        "containerStatuses": [{"name": "vllm", "started": False, "state": {"running": {}}}],
+    }
+    found = conditions_of(st.Workload(deployment(1, 0), [pod(loading)]))
+    assert found == {
+        "Ready": ("False", "LoadingModel"),
+        "Progressing": ("True", "LoadingModel"),
+        "Degraded": ("False", "AsExpected"),
+    }
+
+
+def test_a_pending_claim_only_matters_once_a_pod_waits_for_it() -> None:
+    claim = {"metadata": {"name": "cache"}, "status": {"phase": "Pending"}}
+    assert conditions_of(st.Workload(deployment(1, 0), [], [claim]))["Degraded"][0] == "False"
+    found = conditions_of(st.Workload(deployment(1, 0), [pod({"phase": "Pending"})], [claim]))
+    assert found["Degraded"] == ("True", "PVCPending")
+
+
+def test_stalled_rollout_and_lost_replicas_degrade() -> None:
+    deadline = {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded"}
+    found = conditions_of(st.Workload(deployment(1, 0, conditions=[deadline])))
+    assert found["Progressing"] == ("False", "RolloutStalled")
+    assert found["Degraded"] == ("True", "RolloutStalled")
+    unready = {
+        "phase": "Running",
+        "containerStatuses": [
+            {"name": "vllm", "started": True, "ready": False, "state": {"running": {}}}
+        ],
+    }
+    found = conditions_of(st.Workload(deployment(3, 2), [pod(unready, "p-2")]), 3)
+    assert found["Degraded"] == ("True", "ReplicasUnavailable")
+    assert found["Ready"] == ("False", "ReplicasUnavailable")
+
+
+def test_scaled_to_zero_and_missing_children() -> None:
+    assert conditions_of(st.Workload(deployment(0, 0)), 0)["Ready"] == ("False", "ScaledToZero")
+    assert conditions_of(st.Workload(None))["Ready"] == ("False", "WaitingForChildren")
+
+
+def test_transition_time_moves_only_when_status_does() -> None:
+    before = [{"type": "Ready", "status": "False", "reason": "A", "lastTransitionTime": "t0"}]
+    same = [{"type": "Ready", "status": "False", "reason": "B", "message": ""}]
+    assert st.with_transition_times(same, before, "t1")[0]["lastTransitionTime"] == "t0"
+    flipped = [{"type": "Ready", "status": "True", "reason": "B", "message": ""}]
+    assert st.with_transition_times(flipped, before, "t1")[0]["lastTransitionTime"] == "t1"
+    assert st.changed_conditions(same, before) == same
+    assert st.changed_conditions(before, before) == []
+
+
+def test_apply_failure_sticks_until_the_generation_is_applied() -> None:
+    failed = st.condition(st.DEGRADED, True, st.APPLY_FAILED, "quota exceeded", 5)
+    assert st.carried_apply_failure([failed], applied_generation=4, generation=5) == failed
+    assert st.carried_apply_failure([failed], applied_generation=5, generation=5) is None
+    assert st.carried_apply_failure([failed], applied_generation=5, generation=6) is None
