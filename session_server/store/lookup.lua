@@ -1,17 +1,34 @@
 -- Lineage lookup in one round trip (session_server/store/redis.py).
--- KEYS: meta, turns, index.  ARGV: n, reply_key_1 .. reply_key_n, [input_key]
+-- KEYS: meta, turns, index.
+-- ARGV: the caller's incarnation ('' = none), the ids of the records the caller holds as a
+--       little-endian bitmap (bit id % 8 of byte id // 8), n, reply_key_1 .. reply_key_n,
+--       [input_key].
 -- Reply: false when the session does not exist, else the flat array
---   turn_count, matched (1-based, 0 = none), n, path ids root-first (n of them),
+--   turn_count, incarnation ('' = none), matched (1-based, 0 = none),
+--   n, path ids root-first (n of them),
 --   retry_id (0 = none), m, ids of retry_id's path root-first ending with retry_id (m),
---   then id, record, id, record ... once for every record on either path.
+--   then id, record, id, record ... once for every record on either path that the caller
+--   does not hold (every record when the caller's incarnation is not the session's).
 local meta, turns, index = KEYS[1], KEYS[2], KEYS[3]
 if redis.call('EXISTS', meta) == 0 then
   return false
 end
-local turn_count = tonumber(redis.call('HGET', meta, 'turns'))
-local n = tonumber(ARGV[1])
+local fields = redis.call('HMGET', meta, 'turns', 'inc')
+local turn_count = tonumber(fields[1])
+-- Sessions created before incarnations existed have none: no cache can vouch for them.
+local incarnation = fields[2] or ''
+local held = ''
+if ARGV[1] ~= '' and ARGV[1] == incarnation then
+  held = ARGV[2]
+end
+local n = tonumber(ARGV[3])
 local records = {}
-local fetched = {}
+local seen = {}
+
+local function is_held(id)
+  local byte = string.byte(held, math.floor(id / 8) + 1)
+  return byte ~= nil and bit.band(byte, bit.lshift(1, id % 8)) ~= 0
+end
 
 -- Appends #path and the root-first ids of the path ending at `id` to `out`.
 local function add_path(id, out)
@@ -21,15 +38,17 @@ local function add_path(id, out)
       error('parent pointers of ' .. meta .. ' form a cycle')
     end
     chain[#chain + 1] = id
-    local record = fetched[id]
+    local record = seen[id]
     if not record then
       record = redis.call('HGET', turns, id)
       if not record then
         error('turn ' .. id .. ' of ' .. meta .. ' is missing')
       end
-      fetched[id] = record
-      records[#records + 1] = id
-      records[#records + 1] = record
+      seen[id] = record
+      if not is_held(id) then
+        records[#records + 1] = id
+        records[#records + 1] = record
+      end
     end
     -- A record's parent id is the little-endian uint32 at byte 2 (codec.py); 0 = root.
     id = struct.unpack('<I4', record, 2)
@@ -41,21 +60,21 @@ local function add_path(id, out)
 end
 
 -- Deepest key first: the usual hit is one of the last keys, so this stops early.
-local reply = {turn_count, 0}
+local reply = {turn_count, incarnation, 0}
 local hit = 0
 for i = n, 1, -1 do
-  local id = redis.call('HGET', index, ARGV[i + 1])
+  local id = redis.call('HGET', index, ARGV[i + 3])
   if id then
     hit = tonumber(id)
-    reply[2] = i
+    reply[3] = i
     break
   end
 end
 add_path(hit, reply)
 
 local retry = 0
-if ARGV[n + 2] then
-  retry = tonumber(redis.call('HGET', index, ARGV[n + 2]) or '0')
+if ARGV[n + 4] then
+  retry = tonumber(redis.call('HGET', index, ARGV[n + 4]) or '0')
 end
 reply[#reply + 1] = retry
 add_path(retry, reply)
