@@ -1,18 +1,22 @@
 """The Redis store: sessions shared by any number of server replicas.
 
-A session is three keys, hash-tagged on the session id so that they share one Cluster slot
+A session is four keys, hash-tagged on the session id so that they share one Cluster slot
 and every script may touch all of them:
 - `{prefix}:{<sid>}:meta`    hash: `meta` (packed SessionMeta), `inc` (incarnation token),
                              `ttl_ms`, and the counters
                              `turns` (also the id allocator), `segments`, `tokens`,
                              `b:<break_reason>`;
 - `{prefix}:{<sid>}:turns`   hash: turn id -> packed record (codec.py; the parent id is in it);
-- `{prefix}:{<sid>}:index`   hash: lookup key -> turn id (first writer wins).
+- `{prefix}:{<sid>}:index`   hash: lookup key -> turn id (first writer wins);
+- `{prefix}:{<sid>}:parents` hash: turn id -> parent id (0 = root), so that the lookup script
+                             walks a path without copying the records the caller holds.
 Lookups and appends are Lua scripts (EVALSHA), so each is one round trip and atomic.
 """
 
 from __future__ import annotations
 
+import itertools
+import struct
 from collections.abc import Collection
 from importlib.resources import files
 from typing import Any
@@ -68,9 +72,9 @@ class RedisStore:
         self._delete = self._redis.register_script(_script("delete.lua"))
 
     def session_keys(self, session_id: str) -> list[str]:
-        """Every key the session occupies: meta, turns, index (in that order)."""
+        """Every key the session occupies: meta, turns, index, parents (in that order)."""
         base = f"{self._prefix}:{{{session_id}}}"
-        return [f"{base}:meta", f"{base}:turns", f"{base}:index"]
+        return [f"{base}:meta", f"{base}:turns", f"{base}:index", f"{base}:parents"]
 
     async def create_session(self, meta: SessionMeta) -> SessionMeta:
         validate_meta(meta)
@@ -102,11 +106,13 @@ class RedisStore:
         # give `known` a new incarnation and records dict meanwhile (RecordCache.learn).
         announced = known.incarnation if known is not None else None
         held = known.records if known is not None and announced is not None else {}
-        args: list[bytes | str | int] = [
+        encoded = [key.encode() for key in reply_keys]
+        key_ends = struct.pack(f"<{len(encoded)}I", *itertools.accumulate(map(len, encoded)))
+        args: list[bytes | str] = [
             announced or "",
             _id_bitmap(held.keys()),
-            len(reply_keys),
-            *reply_keys,
+            key_ends,
+            b"".join(encoded),
         ]
         if input_key is not None:
             args.append(input_key)

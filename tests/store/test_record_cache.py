@@ -246,14 +246,16 @@ async def test_a_session_recreated_by_another_process_invalidates_the_cache(
 async def test_a_session_without_an_incarnation_never_uses_a_cache(
     redis_pair: tuple[RedisStore, RedisStore], redis_server: str, decoded_ids: list[int]
 ) -> None:
-    """Sessions written by a server version that predates incarnations."""
+    """Sessions written by a server version that predates incarnations and the parents hash."""
     store, _ = redis_pair
     await store.create_session(meta("s"))
     records = await chain(store, "s", 2)
     cache = RecordCache()
     await store.lookup("s", ["r2"], None, known=cache)
     raw = aioredis.Redis.from_url(redis_server)
-    await raw.hdel(store.session_keys("s")[0], "inc")
+    meta_key, _, _, parents_key = store.session_keys("s")
+    await raw.hdel(meta_key, "inc")
+    await raw.delete(parents_key)
     await raw.aclose()
 
     for _ in range(2):
