@@ -1,4 +1,5 @@
-"""Store benchmark: Redis bytes per stored token, lookup + decode latency, append latency.
+"""Store benchmark: Redis bytes per stored token, lookup latency (cold, and with the caller's
+record cache), append latency.
 
 Run: .venv/bin/python bench/bench_store.py [--out bench/results/store.md]
 Starts its own redis-server (no persistence) on a free loopback port; about 30 s.
@@ -25,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import redis.asyncio as aioredis
 
-from session_server.store.base import SessionMeta, SessionStore, TurnRecord
+from session_server.store.base import RecordCache, SessionMeta, SessionStore, TurnRecord
 from session_server.store.codec import encode_turn
 from session_server.store.memory import MemoryStore
 from session_server.store.redis import RedisStore
@@ -106,7 +107,7 @@ async def bytes_per_token(url: str) -> list[str]:
     raw = aioredis.Redis.from_url(url)
     store = RedisStore(url, key_prefix="bench-mem")
     lines = [
-        "| session | turns | stored tokens | Redis bytes (MEMORY USAGE, 3 keys) | bytes/token "
+        "| session | turns | stored tokens | Redis bytes (MEMORY USAGE, all keys) | bytes/token "
         "| packed records only | as JSON lists |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -138,6 +139,22 @@ async def bytes_per_token(url: str) -> list[str]:
     return [summary, "", *lines]
 
 
+async def timed_lookups(
+    store: SessionStore,
+    sid: str,
+    asked: list[str],
+    input_key: str,
+    caches: list[RecordCache | None],
+) -> tuple[float, float]:
+    """p50 and p95 of one lookup per cache given, sequential."""
+    samples = []
+    for known in caches:
+        start = time.perf_counter()
+        await store.lookup(sid, asked, input_key, known=known)
+        samples.append(time.perf_counter() - start)
+    return percentiles(samples)
+
+
 async def lookup_latency(store: SessionStore, label: str) -> list[str]:
     lines = []
     for history in (1_000, 8_000, 32_000):
@@ -147,16 +164,22 @@ async def lookup_latency(store: SessionStore, label: str) -> list[str]:
         # As the core asks: one reply key per earlier message (the assistant ones match),
         # the deepest last, and an input key that matches nothing.
         asked = [k for key in reply_keys for k in (gen.key(), key)]
-        samples = []
-        for _ in range(LATENCY_SAMPLES):
-            start = time.perf_counter()
-            found = await store.lookup(sid, asked, gen.key())
-            samples.append(time.perf_counter() - start)
+        input_key = gen.key()
+        warm = RecordCache()
+        found = await store.lookup(sid, asked, input_key, known=warm)
         assert sum(len(r.prompt_delta) + len(r.completion_ids) for r in found.parent_path) == total
-        p50, p95 = percentiles(samples)
-        lines.append(
-            f"| {label} | {total} | {len(records)} | {len(asked)} | {p50:.3f} | {p95:.3f} |"
-        )
+        # The next turn of a conversation: every record cached but the newest one.
+        newest = found.parent_path[-1].turn_id
+        all_but_newest = [
+            RecordCache(warm.incarnation, {i: r for i, r in warm.records.items() if i != newest})
+            for _ in range(LATENCY_SAMPLES)
+        ]
+        timings = [
+            await timed_lookups(store, sid, asked, input_key, caches)
+            for caches in ([None] * LATENCY_SAMPLES, [warm] * LATENCY_SAMPLES, all_but_newest)
+        ]
+        cells = " | ".join(f"{p50:.3f} | {p95:.3f}" for p50, p95 in timings)
+        lines.append(f"| {label} | {total} | {len(records)} | {len(asked)} | {cells} |")
     return lines
 
 
@@ -234,15 +257,19 @@ async def main(out: Path) -> None:
         "",
         *memory,
         "",
-        "## (b) Lookup + decode latency",
+        "## (b) Lookup latency, cold and with a record cache",
         "",
-        f"One `lookup` of a linear session whose matched path holds the given tokens, decoded "
-        f"to TurnRecords (Python lists); {LATENCY_SAMPLES} calls each, sequential. The reply "
-        f"keys asked for are two per turn (one that misses, one that hits), plus an input key "
-        f"that misses.",
+        f"One `lookup` of a linear session whose matched path holds the given tokens, "
+        f"returning TurnRecords (Python lists); {LATENCY_SAMPLES} calls per column, "
+        f"sequential. The reply keys asked for are two per turn (one that misses, one that "
+        f"hits), plus an input key that misses. *cold*: no `known` cache, every record on the "
+        f"path is transferred and decoded. *warm*: `known=` a RecordCache holding the whole "
+        f"path (nothing transferred or decoded). *all but newest*: the cache lacks the "
+        f"path's last record, as on the next turn of a conversation (one record decoded).",
         "",
-        "| store | path tokens | path turns | reply keys asked | p50 ms | p95 ms |",
-        "|---|---|---|---|---|---|",
+        "| store | path tokens | path turns | reply keys asked | cold p50 ms | cold p95 ms "
+        "| warm p50 ms | warm p95 ms | all but newest p50 ms | all but newest p95 ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
         *lookups,
         "",
         "## (c) Append latency",

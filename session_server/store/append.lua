@@ -1,9 +1,9 @@
 -- Atomic append of the sibling turns of one request (session_server/store/redis.py).
--- KEYS: meta, turns, index.
+-- KEYS: meta, turns, index, parents.
 -- ARGV: n_turns, segments, tokens, n_breaks, break_reason x n_breaks,
 --       then per turn: parent_id (0 = root), record, n_keys, key x n_keys.
 -- Reply: {'ok', first_id} | {'gone'} | {'parent', parent_id}.
-local meta, turns, index = KEYS[1], KEYS[2], KEYS[3]
+local meta, turns, index, parents = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
 if redis.call('EXISTS', meta) == 0 then
   return {'gone'}
 end
@@ -28,6 +28,7 @@ pos = first_turn_arg
 for _ = 1, n do
   id = id + 1
   redis.call('HSET', turns, id, ARGV[pos + 1])
+  redis.call('HSET', parents, id, ARGV[pos])
   local n_keys = tonumber(ARGV[pos + 2])
   for k = 1, n_keys do
     redis.call('HSETNX', index, ARGV[pos + 2 + k], id)

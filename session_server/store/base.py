@@ -12,10 +12,16 @@ Lookup keys are opaque strings computed by the core (`session_server.conversatio
 - a *reply key* names the conversation up to and including a turn's reply;
 - an *input key* names the conversation a turn was sampled from (retry detection).
 The first turn stored under a key keeps it (`HSETNX` semantics).
+
+Stored records never change, so a caller may keep the records it has seen in a `RecordCache`
+and hand it to `lookup`, which then neither transfers nor decodes them again. Because a session
+id can be deleted and created again (turn ids restart at 1), every session gets a random
+*incarnation* token at creation, and a cache only counts for the incarnation it was filled from.
 """
 
 from __future__ import annotations
 
+import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -61,6 +67,39 @@ class SessionMeta:
     """Volatile-prompt rules (see session_server.conversation); empty = off."""
 
 
+def new_incarnation() -> str:
+    """A fresh incarnation token: 16 random hex digits, so that two creations of one
+    session id, by any server process, never share one."""
+    return secrets.token_hex(8)
+
+
+@dataclass(slots=True)
+class RecordCache:
+    """The decoded records of one session that a caller already holds, for `lookup`.
+
+    `lookup` fills it: it adds every record it decodes, and when `incarnation` is not the
+    session's current one it drops the old records and takes the session's incarnation.
+    The records are shared with every LookupResult built from the cache, so nobody may
+    mutate them."""
+
+    incarnation: str | None = None
+    """The session incarnation the records belong to; None = not known yet (never matches)."""
+    records: dict[int, TurnRecord] = field(default_factory=dict)
+    """Turn id -> record, as stored in that incarnation."""
+
+    def learn(self, incarnation: str | None, decoded: dict[int, TurnRecord]) -> None:
+        """Take in the records a lookup decoded from a session of `incarnation`.
+
+        A new incarnation replaces `records` with a new dict rather than emptying it in
+        place: a lookup still awaiting its reply keeps reading the dict it announced, so
+        `records` only ever holds records of `incarnation`, even under concurrent lookups."""
+        if incarnation is not None and incarnation == self.incarnation:
+            self.records.update(decoded)
+        else:
+            self.incarnation = incarnation
+            self.records = decoded
+
+
 @dataclass(slots=True)
 class LookupResult:
     """What one lookup round trip found."""
@@ -77,6 +116,9 @@ class LookupResult:
     """Root-to-turn records of `retry_of`'s parent ([] if it is a root or retry_of is None)."""
     turn_count: int = 0
     """How many turns the session holds."""
+    incarnation: str | None = None
+    """The session's incarnation token (None only for a Redis session created by a server
+    version that predates incarnations: such a session never uses a cache)."""
 
 
 @dataclass(slots=True)
@@ -113,7 +155,8 @@ class SessionStore(Protocol):
     """
 
     async def create_session(self, meta: SessionMeta) -> SessionMeta:
-        """Create; raises SessionExists if the id is taken."""
+        """Create with a fresh incarnation token (`new_incarnation`); raises SessionExists
+        if the id is taken."""
         ...
 
     async def get_session(self, session_id: str) -> SessionMeta | None: ...
@@ -123,11 +166,25 @@ class SessionStore(Protocol):
         ...
 
     async def lookup(
-        self, session_id: str, reply_keys: list[str], input_key: str | None
+        self,
+        session_id: str,
+        reply_keys: list[str],
+        input_key: str | None,
+        *,
+        known: RecordCache | None = None,
     ) -> LookupResult:
         """One round trip: the deepest (highest-index) reply key that is stored, with its
         whole root-to-turn path, and the turn stored under `input_key`, with its parent's
-        path. Raises SessionNotFound if the session does not exist."""
+        path. Raises SessionNotFound if the session does not exist (leaving `known` as it
+        was).
+
+        With `known`, checked atomically with the lookup: if `known.incarnation` is the
+        session's, every record on the paths whose id is in `known.records` is that cached
+        object, neither transferred nor decoded again, and the records that were decoded are
+        added to `known.records`. Otherwise `known.records` is ignored (everything is
+        fetched) and replaced by what was decoded, and `known.incarnation` becomes the
+        session's (`RecordCache.learn`). The result is the same either way, but for the
+        identity of the record objects."""
         ...
 
     async def append_turns(

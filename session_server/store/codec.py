@@ -7,7 +7,8 @@ completion token (vLLM's logprobs are float32, so this is lossless for them). Th
 not stored: it is the record's key in its session.
 
 The parent id sits at byte offset 1 (1-based position 2) as an unsigned 32-bit little-endian
-integer, 0 for a root: the Redis lookup script reads it there to walk a path.
+integer, 0 for a root: the Redis lookup script reads it there to walk the path of a session
+stored before the store kept parent ids in a hash of their own.
 """
 
 from __future__ import annotations

@@ -13,12 +13,14 @@ from dataclasses import dataclass, field
 
 from session_server.store.base import (
     LookupResult,
+    RecordCache,
     SessionCounters,
     SessionExists,
     SessionMeta,
     SessionNotFound,
     TurnRecord,
     UnknownParent,
+    new_incarnation,
 )
 from session_server.store.codec import (
     decode_meta,
@@ -32,6 +34,7 @@ from session_server.store.codec import (
 @dataclass(slots=True)
 class _Session:
     meta: bytes
+    incarnation: str
     ttl_seconds: int | None
     expires_at: float | None
     records: dict[int, bytes] = field(default_factory=dict)
@@ -86,13 +89,17 @@ class MemoryStore:
         return session
 
     def _path(
-        self, session: _Session, turn_id: int | None, decoded: dict[int, TurnRecord]
+        self,
+        session: _Session,
+        turn_id: int | None,
+        held: dict[int, TurnRecord],
+        decoded: dict[int, TurnRecord],
     ) -> list[TurnRecord]:
-        """Root-to-`turn_id` records; `decoded` shares records between the paths of one
-        lookup, as the Redis store does."""
+        """Root-to-`turn_id` records: the caller's (`held`) where it has them, else decoded
+        into `decoded`, which shares them between the paths of one lookup."""
         path: list[TurnRecord] = []
         while turn_id is not None:
-            record = decoded.get(turn_id)
+            record = held.get(turn_id) or decoded.get(turn_id)
             if record is None:
                 record = decoded[turn_id] = decode_turn(turn_id, session.records[turn_id])
             path.append(record)
@@ -105,7 +112,12 @@ class MemoryStore:
         if self._live(meta.session_id) is not None:
             raise SessionExists(meta.session_id)
         packed = encode_meta(meta)
-        session = _Session(meta=packed, ttl_seconds=meta.ttl_seconds, expires_at=None)
+        session = _Session(
+            meta=packed,
+            incarnation=new_incarnation(),
+            ttl_seconds=meta.ttl_seconds,
+            expires_at=None,
+        )
         session.touch(self._clock())
         self._sessions[meta.session_id] = session
         return decode_meta(packed)
@@ -121,9 +133,17 @@ class MemoryStore:
         return True
 
     async def lookup(
-        self, session_id: str, reply_keys: list[str], input_key: str | None
+        self,
+        session_id: str,
+        reply_keys: list[str],
+        input_key: str | None,
+        *,
+        known: RecordCache | None = None,
     ) -> LookupResult:
         session = self._require(session_id)
+        held = (
+            known.records if known is not None and known.incarnation == session.incarnation else {}
+        )
         matched: int | None = None
         for i in range(len(reply_keys) - 1, -1, -1):
             if reply_keys[i] in session.index:
@@ -131,7 +151,7 @@ class MemoryStore:
                 break
         decoded: dict[int, TurnRecord] = {}
         parent_path = (
-            self._path(session, session.index[reply_keys[matched]], decoded)
+            self._path(session, session.index[reply_keys[matched]], held, decoded)
             if matched is not None
             else []
         )
@@ -139,14 +159,17 @@ class MemoryStore:
         retry_path: list[TurnRecord] = []
         retry_id = session.index.get(input_key) if input_key is not None else None
         if retry_id is not None:
-            retry_path = self._path(session, retry_id, decoded)
+            retry_path = self._path(session, retry_id, held, decoded)
             retry_of = retry_path.pop()
+        if known is not None:
+            known.learn(session.incarnation, decoded)
         return LookupResult(
             parent_path=parent_path,
             matched_key_index=matched,
             retry_of=retry_of,
             retry_path=retry_path,
             turn_count=len(session.records),
+            incarnation=session.incarnation,
         )
 
     async def append_turns(

@@ -1,31 +1,40 @@
 """The Redis store: sessions shared by any number of server replicas.
 
-A session is three keys, hash-tagged on the session id so that they share one Cluster slot
+A session is four keys, hash-tagged on the session id so that they share one Cluster slot
 and every script may touch all of them:
-- `{prefix}:{<sid>}:meta`    hash: `meta` (packed SessionMeta), `ttl_ms`, and the counters
+- `{prefix}:{<sid>}:meta`    hash: `meta` (packed SessionMeta), `inc` (incarnation token),
+                             `ttl_ms`, and the counters
                              `turns` (also the id allocator), `segments`, `tokens`,
                              `b:<break_reason>`;
 - `{prefix}:{<sid>}:turns`   hash: turn id -> packed record (codec.py; the parent id is in it);
-- `{prefix}:{<sid>}:index`   hash: lookup key -> turn id (first writer wins).
+- `{prefix}:{<sid>}:index`   hash: lookup key -> turn id (first writer wins);
+- `{prefix}:{<sid>}:parents` hash: turn id -> parent id (0 = root), so that the lookup script
+                             walks a path without copying the records the caller holds.
 Lookups and appends are Lua scripts (EVALSHA), so each is one round trip and atomic.
 """
 
 from __future__ import annotations
 
+import itertools
+import struct
+from collections.abc import Collection
 from importlib.resources import files
 from typing import Any
 
+import numpy as np
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from session_server.store.base import (
     LookupResult,
+    RecordCache,
     SessionCounters,
     SessionExists,
     SessionMeta,
     SessionNotFound,
     TurnRecord,
     UnknownParent,
+    new_incarnation,
 )
 from session_server.store.codec import (
     decode_meta,
@@ -40,6 +49,17 @@ def _script(name: str) -> str:
     return files("session_server.store").joinpath(name).read_text()
 
 
+def _id_bitmap(turn_ids: Collection[int]) -> bytes:
+    """The ids as the lookup script reads them: bit `id % 8` of byte `id // 8` set. A few
+    bytes per hundred turns, and the script tests an id without building a set."""
+    if not turn_ids:
+        return b""
+    ids = np.fromiter(turn_ids, dtype=np.int64, count=len(turn_ids))
+    bits = np.zeros(int(ids.max()) + 1, dtype=bool)
+    bits[ids] = True
+    return np.packbits(bits, bitorder="little").tobytes()
+
+
 class RedisStore:
     """SessionStore on Redis (redis-py asyncio; hiredis parses replies when installed)."""
 
@@ -52,15 +72,17 @@ class RedisStore:
         self._delete = self._redis.register_script(_script("delete.lua"))
 
     def session_keys(self, session_id: str) -> list[str]:
-        """Every key the session occupies: meta, turns, index (in that order)."""
+        """Every key the session occupies: meta, turns, index, parents (in that order)."""
         base = f"{self._prefix}:{{{session_id}}}"
-        return [f"{base}:meta", f"{base}:turns", f"{base}:index"]
+        return [f"{base}:meta", f"{base}:turns", f"{base}:index", f"{base}:parents"]
 
     async def create_session(self, meta: SessionMeta) -> SessionMeta:
         validate_meta(meta)
         packed = encode_meta(meta)
         ttl_ms = "" if meta.ttl_seconds is None else str(round(meta.ttl_seconds * 1000))
-        created = await self._create(keys=self.session_keys(meta.session_id), args=[packed, ttl_ms])
+        created = await self._create(
+            keys=self.session_keys(meta.session_id), args=[packed, ttl_ms, new_incarnation()]
+        )
         if not created:
             raise SessionExists(meta.session_id)
         return decode_meta(packed)
@@ -73,17 +95,34 @@ class RedisStore:
         return bool(await self._delete(keys=self.session_keys(session_id)))
 
     async def lookup(
-        self, session_id: str, reply_keys: list[str], input_key: str | None
+        self,
+        session_id: str,
+        reply_keys: list[str],
+        input_key: str | None,
+        *,
+        known: RecordCache | None = None,
     ) -> LookupResult:
-        args: list[str | int] = [len(reply_keys), *reply_keys]
+        # What was announced to the script, read before the await: a concurrent lookup may
+        # give `known` a new incarnation and records dict meanwhile (RecordCache.learn).
+        announced = known.incarnation if known is not None else None
+        held = known.records if known is not None and announced is not None else {}
+        encoded = [key.encode() for key in reply_keys]
+        key_ends = struct.pack(f"<{len(encoded)}I", *itertools.accumulate(map(len, encoded)))
+        args: list[bytes | str] = [
+            announced or "",
+            _id_bitmap(held.keys()),
+            key_ends,
+            b"".join(encoded),
+        ]
         if input_key is not None:
             args.append(input_key)
         reply = await self._lookup(keys=self.session_keys(session_id), args=args)
         if reply is None:
             raise SessionNotFound(session_id)
 
-        turn_count, matched, n_path = reply[0], reply[1], reply[2]
-        pos = 3
+        turn_count, matched, n_path = reply[0], reply[2], reply[3]
+        incarnation = reply[1].decode() or None
+        pos = 4
         path_ids = reply[pos : pos + n_path]
         pos += n_path
         retry_id, n_retry = reply[pos], reply[pos + 1]
@@ -95,14 +134,24 @@ class RedisStore:
             turn_id: decode_turn(turn_id, blob)
             for turn_id, blob in zip(flat[0::2], flat[1::2], strict=True)
         }
-        retry_path = [decoded[i] for i in retry_ids]
+        # The script sent every record unless it honoured the incarnation announced.
+        if announced is None or incarnation != announced:
+            held = {}
+        if known is not None:
+            known.learn(incarnation, decoded)
+
+        def record(turn_id: int) -> TurnRecord:
+            return held.get(turn_id) or decoded[turn_id]
+
+        retry_path = [record(i) for i in retry_ids]
         retry_of = retry_path.pop() if retry_id else None
         return LookupResult(
-            parent_path=[decoded[i] for i in path_ids],
+            parent_path=[record(i) for i in path_ids],
             matched_key_index=matched - 1 if matched else None,
             retry_of=retry_of,
             retry_path=retry_path,
             turn_count=turn_count,
+            incarnation=incarnation,
         )
 
     async def append_turns(

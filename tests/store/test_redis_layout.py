@@ -34,7 +34,7 @@ async def raw(redis_server: str) -> AsyncIterator[aioredis.Redis]:
     await client.aclose()
 
 
-async def test_a_session_is_three_keys_in_one_cluster_slot(
+async def test_a_session_is_four_keys_in_one_cluster_slot(
     store: RedisStore, raw: aioredis.Redis, prefix: str
 ) -> None:
     await store.create_session(meta("agent-7"))
@@ -57,7 +57,7 @@ async def test_every_key_gets_the_session_ttl(store: RedisStore, raw: aioredis.R
 
     await store.create_session(meta("forever"))
     await store.append_turns("forever", [turn(None)], [["k"]])
-    assert [await raw.pttl(key) for key in store.session_keys("forever")] == [-1, -1, -1]
+    assert [await raw.pttl(key) for key in store.session_keys("forever")] == [-1, -1, -1, -1]
 
 
 async def test_scripts_reload_after_a_script_flush(store: RedisStore, raw: aioredis.Redis) -> None:

@@ -357,3 +357,16 @@ async def test_ttl_must_be_positive(store: SessionStore) -> None:
 
 async def test_ping(store: SessionStore) -> None:
     assert await store.ping() is True
+
+
+async def test_lookup_keys_are_opaque_strings(store: SessionStore) -> None:
+    await store.create_session(meta("s"))
+    odd_keys = ["", "r:é\n\x00", "resp: with spaces", "x" * 300]
+    ids = await store.append_turns(
+        "s", [turn(None, seed=i) for i in range(4)], [[k] for k in odd_keys]
+    )
+    for key, turn_id in zip(odd_keys, ids, strict=True):
+        found = await store.lookup("s", ["missing", key, "other"], key)
+        assert found.matched_key_index == 1
+        assert [r.turn_id for r in found.parent_path] == [turn_id]
+        assert found.retry_of is not None and found.retry_of.turn_id == turn_id
