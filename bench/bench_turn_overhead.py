@@ -41,6 +41,9 @@ from tests.real_tokenizers import qwen3_dir
 from tests.redis_server import start_redis_server, stop_redis_server
 
 SIZES = (1_000, 8_000, 32_000)
+NEW_MESSAGE_TOKENS = (30, 1000)
+"""Size of the tool result each measured turn adds: tokenizing it is work proportional to
+the new content, not to the history, so both are reported."""
 SAMPLES = 200
 TOOLS = [Tool("read_file", "Read a file.", {"type": "object", "properties": {"path": {}}})]
 
@@ -96,9 +99,14 @@ def _percentiles(samples: list[float]) -> tuple[float, float]:
 
 
 async def _measure(
-    service: TurnService, model: ChatModel, session_id: str, target: int
+    service: TurnService, model: ChatModel, session_id: str, target: int, new_tokens: int
 ) -> dict[str, Any]:
-    messages = await _grow(service, model, session_id, target)
+    # Grown one tool result past the target, whose last result is then swapped for one of
+    # the measured size: the history before it stays about `target` tokens.
+    messages = await _grow(service, model, session_id, target + 1000)
+    messages[-1] = Message(
+        "tool", _tool_output(model, 10_000, new_tokens), tool_call_id=messages[-1].tool_call_id
+    )
     engine = EngineClient(["http://127.0.0.1:9"], model="bench")
     replica = engine.replicas[0]
     completion = [*model.encode("Done."), model.stop_token_ids[0]]
@@ -160,7 +168,7 @@ async def _measure(
         for m in messages
     ]
     tools = [t.as_openai() for t in TOOLS]
-    for _ in range(max(20, SAMPLES // 10)):
+    for _ in range(max(20, SAMPLES // 10) if new_tokens == NEW_MESSAGE_TOKENS[0] else 0):
         started = time.perf_counter()
         model.tokenizer.apply_chat_template(
             template_messages,
@@ -173,7 +181,7 @@ async def _measure(
     return {
         "history": history_tokens,
         "overhead": _percentiles(overhead),
-        "rerender": _percentiles(rerender),
+        "rerender": _percentiles(rerender) if rerender else None,
     }
 
 
@@ -184,17 +192,19 @@ async def main(out: Path) -> None:
     try:
         for store_name, make_store in (("memory", MemoryStore), ("redis", lambda: RedisStore(url))):
             for size in SIZES:
-                store = make_store()
-                service = TurnService(
-                    store,
-                    EngineClient(["http://127.0.0.1:9"], model="bench"),
-                    model,
-                    ServiceConfig(model_name="bench", context_length=131072),
-                    Metrics(),
-                )
-                print(f"{store_name} {size}...", flush=True)
-                result = await _measure(service, model, f"bench-{size}", size)
-                await store.close()
+                result: dict[str, Any] = {}
+                for new_tokens in NEW_MESSAGE_TOKENS:
+                    store = make_store()
+                    service = TurnService(
+                        store, EngineClient(["http://127.0.0.1:9"], model="bench"), model,
+                        ServiceConfig(model_name="bench", context_length=131072), Metrics(),
+                    )
+                    print(f"{store_name} {size} (+{new_tokens})...", flush=True)
+                    measured = await _measure(
+                        service, model, f"bench-{size}-{new_tokens}", size, new_tokens
+                    )
+                    await store.close()
+                    result[new_tokens] = measured
                 rows.append((store_name, size, result))
     finally:
         stop_redis_server(proc)
@@ -209,15 +219,18 @@ async def main(out: Path) -> None:
         "store append (p50/p95 over "
         f"{SAMPLES} turns). Re-render = Qwen3 chat template + tokenize of the same history.",
         "",
-        "| store | history tokens | tokenkeep p50 ms | tokenkeep p95 ms | re-render p50 ms "
-        "| re-render p95 ms | ratio (p50) |",
-        "|---|---|---|---|---|---|---|",
+        f"| store | history tokens | tokenkeep p50 / p95 ms (+{NEW_MESSAGE_TOKENS[0]}-token "
+        f"tool result) | tokenkeep p50 / p95 ms (+{NEW_MESSAGE_TOKENS[1]}-token tool result) "
+        "| re-render p50 / p95 ms | re-render / tokenkeep (p50, small result) |",
+        "|---|---|---|---|---|---|",
     ]
     for store_name, _size, r in rows:
-        (op50, op95), (rp50, rp95) = r["overhead"], r["rerender"]
+        small, large = r[NEW_MESSAGE_TOKENS[0]], r[NEW_MESSAGE_TOKENS[1]]
+        (sp50, sp95), (lp50, lp95) = small["overhead"], large["overhead"]
+        rp50, rp95 = small["rerender"]
         lines.append(
-            f"| {store_name} | {r['history']} | {op50:.2f} | {op95:.2f} | {rp50:.1f} | "
-            f"{rp95:.1f} | {rp50 / op50:.0f}x |"
+            f"| {store_name} | {small['history']} | {sp50:.2f} / {sp95:.2f} | "
+            f"{lp50:.2f} / {lp95:.2f} | {rp50:.1f} / {rp95:.1f} | {rp50 / sp50:.0f}x |"
         )
     text = "\n".join(lines) + "\n"
     print(text)

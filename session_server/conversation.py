@@ -11,6 +11,7 @@ templates strip from earlier turns, tool-call ids that harnesses regenerate).
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import json
 import re
@@ -148,7 +149,19 @@ def parse_arguments(arguments: str | dict[str, Any] | None) -> Any:
 
 
 def canonical_arguments(arguments: str | dict[str, Any] | None) -> str:
-    value = parse_arguments(arguments)
+    if isinstance(arguments, str):
+        return _canonical_argument_text(arguments)
+    return _canonical(parse_arguments(arguments))
+
+
+@functools.lru_cache(maxsize=65536)
+def _canonical_argument_text(arguments: str) -> str:
+    """Memoised: every request resends every earlier tool call, so a long session would
+    otherwise parse and re-serialise the same arguments once per message per turn."""
+    return _canonical(parse_arguments(arguments))
+
+
+def _canonical(value: Any) -> str:
     if isinstance(value, str):
         return value
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)

@@ -23,6 +23,7 @@ import math
 import re
 import time
 import uuid
+from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +52,7 @@ from session_server.sampling import build_sampling
 from session_server.splice import ChatModel
 from session_server.store.base import (
     LookupResult,
+    RecordCache,
     SessionMeta,
     SessionNotFound,
     SessionStore,
@@ -115,6 +117,11 @@ class TurnService:
         # Session metadata never changes after creation, so it is cached to save a round
         # trip per request; a deleted session still fails at append time.
         self._sessions: dict[str, SessionMeta] = {}
+        # Stored turns never change either: decoded records are kept per session so a
+        # lookup transfers and decodes only turns this process has not seen. The store
+        # checks the session's incarnation, so a deleted and re-created id is never served
+        # from an old cache.
+        self._records: OrderedDict[str, RecordCache] = OrderedDict()
 
     # --- sessions -------------------------------------------------------------------
 
@@ -163,7 +170,18 @@ class TurnService:
 
     async def delete_session(self, session_id: str) -> bool:
         self._sessions.pop(session_id, None)
+        self._records.pop(session_id, None)
         return await self.store.delete_session(session_id)
+
+    def _record_cache(self, session_id: str) -> RecordCache:
+        cache = self._records.get(session_id)
+        if cache is None:
+            cache = self._records[session_id] = RecordCache()
+            if len(self._records) > self.config.max_sessions_cached:
+                self._records.popitem(last=False)
+        else:
+            self._records.move_to_end(session_id)
+        return cache
 
     def _remember(self, meta: SessionMeta) -> None:
         if len(self._sessions) >= self.config.max_sessions_cached:
@@ -183,7 +201,10 @@ class TurnService:
         else:
             keys = lineage(conversation, rules)
             found = await self.store.lookup(
-                session_id, keys.reply_keys_for_lookup(), keys.input_key
+                session_id,
+                keys.reply_keys_for_lookup(),
+                keys.input_key,
+                known=self._record_cache(session_id),
             )
         after_lookup = time.perf_counter()
         plan = await self._classify(meta, conversation, keys, found, rules is not None)
@@ -218,7 +239,9 @@ class TurnService:
                 "response of this session",
                 param="previous_response_id",
             )
-        found = await self.store.lookup(session_id, [key], None)
+        found = await self.store.lookup(
+            session_id, [key], None, known=self._record_cache(session_id)
+        )
         keys = lineage(conversation, rules, after=found.parent_path[-1].extra.get("reply_key"))
         return found, keys
 
@@ -266,8 +289,7 @@ class TurnService:
                 conversation.tools,
             )
             if bridge.delta is not None:
-                has_child = await self.store.resolve_key(meta.session_id, f"c:{parent.turn_id}")
-                kind = "fork" if has_child is not None else "extend"
+                kind = "fork" if found.parent_children else "extend"
                 return self._plan(
                     meta,
                     conversation,
@@ -474,15 +496,15 @@ class TurnService:
                     stop_reason=s.stop_reason,
                     n_messages=plan.n_messages,
                     api=conversation.api,
-                    extra={"splice_ms": round(plan.splice_seconds * 1000, 3),
-                           "reply_key": reply_key},
+                    extra={
+                        "splice_ms": round(plan.splice_seconds * 1000, 3),
+                        "reply_key": reply_key,
+                    },
                 )
             )
             turn_keys = [reply_key, plan.lineage.input_key]
             if i == 0:
                 turn_keys.append(RESPONSE_KEY_PREFIX + response_id)
-            if plan.parent_id is not None:
-                turn_keys.append(f"c:{plan.parent_id}")
             keys.append(turn_keys)
         try:
             ids = await self.store.append_turns(plan.session.session_id, records, keys)

@@ -29,6 +29,10 @@ for _ = 1, n do
   id = id + 1
   redis.call('HSET', turns, id, ARGV[pos + 1])
   redis.call('HSET', parents, id, ARGV[pos])
+  if ARGV[pos] ~= '0' then
+    -- Children per turn, under 'c<id>' in the same hash (turn ids are plain integers).
+    redis.call('HINCRBY', parents, 'c' .. ARGV[pos], 1)
+  end
   local n_keys = tonumber(ARGV[pos + 2])
   for k = 1, n_keys do
     redis.call('HSETNX', index, ARGV[pos + 2 + k], id)

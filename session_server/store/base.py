@@ -116,6 +116,9 @@ class LookupResult:
     """Root-to-turn records of `retry_of`'s parent ([] if it is a root or retry_of is None)."""
     turn_count: int = 0
     """How many turns the session holds."""
+    parent_children: int = 0
+    """How many turns continue the last turn of `parent_path` (0 when it is a leaf or when
+    nothing matched): the core tells an extension of a leaf from a fork by it."""
     incarnation: str | None = None
     """The session's incarnation token (None only for a Redis session created by a server
     version that predates incarnations: such a session never uses a cache)."""

@@ -39,6 +39,7 @@ class _Session:
     expires_at: float | None
     records: dict[int, bytes] = field(default_factory=dict)
     index: dict[str, int] = field(default_factory=dict)
+    children: dict[int, int] = field(default_factory=dict)
     segments: int = 0
     tokens: int = 0
     breaks: dict[str, int] = field(default_factory=dict)
@@ -169,6 +170,7 @@ class MemoryStore:
             retry_of=retry_of,
             retry_path=retry_path,
             turn_count=len(session.records),
+            parent_children=session.children.get(parent_path[-1].turn_id, 0) if parent_path else 0,
             incarnation=session.incarnation,
         )
 
@@ -182,8 +184,12 @@ class MemoryStore:
                 raise UnknownParent(f"session {session_id} has no turn {parent}")
         first = len(session.records) + 1
         ids = list(range(first, first + len(batch.blobs)))
-        for turn_id, blob, turn_keys in zip(ids, batch.blobs, batch.keys, strict=True):
+        for turn_id, blob, turn_keys, parent in zip(
+            ids, batch.blobs, batch.keys, batch.parents, strict=True
+        ):
             session.records[turn_id] = blob
+            if parent:
+                session.children[parent] = session.children.get(parent, 0) + 1
             for key in turn_keys:
                 session.index.setdefault(key, turn_id)
         session.segments += batch.segments

@@ -120,9 +120,9 @@ class RedisStore:
         if reply is None:
             raise SessionNotFound(session_id)
 
-        turn_count, matched, n_path = reply[0], reply[2], reply[3]
+        turn_count, matched, children, n_path = reply[0], reply[2], reply[3], reply[4]
         incarnation = reply[1].decode() or None
-        pos = 4
+        pos = 5
         path_ids = reply[pos : pos + n_path]
         pos += n_path
         retry_id, n_retry = reply[pos], reply[pos + 1]
@@ -151,6 +151,7 @@ class RedisStore:
             retry_of=retry_of,
             retry_path=retry_path,
             turn_count=turn_count,
+            parent_children=children,
             incarnation=incarnation,
         )
 

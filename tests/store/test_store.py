@@ -370,3 +370,15 @@ async def test_lookup_keys_are_opaque_strings(store: SessionStore) -> None:
         assert found.matched_key_index == 1
         assert [r.turn_id for r in found.parent_path] == [turn_id]
         assert found.retry_of is not None and found.retry_of.turn_id == turn_id
+
+
+async def test_lookup_counts_the_children_of_the_matched_turn(store: SessionStore) -> None:
+    await store.create_session(meta("kids"))
+    (root,) = await store.append_turns("kids", [turn(None)], [["r:root"]])
+    found = await store.lookup("kids", ["r:root"], None)
+    assert found.parent_children == 0
+    await store.append_turns("kids", [turn(root), turn(root)], [["r:a"], ["r:b"]])
+    found = await store.lookup("kids", ["r:root"], None)
+    assert found.parent_children == 2
+    assert (await store.lookup("kids", ["r:a"], None)).parent_children == 0
+    assert (await store.lookup("kids", ["r:none"], None)).parent_children == 0
