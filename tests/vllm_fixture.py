@@ -36,7 +36,7 @@ def vllm_engine() -> Iterator[RunningEngine]:
     if url := os.environ.get("TOKENKEEP_VLLM_URL"):
         yield RunningEngine(
             url.rstrip("/"),
-            localengine.DEFAULT_SERVED_NAME,
+            localengine.served_name(localengine.TINY_MODEL_NAME),
             localengine.build_model(),
             localengine.DEFAULT_MAX_MODEL_LEN,
         )
