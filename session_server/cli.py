@@ -52,6 +52,7 @@ def serve(args: argparse.Namespace) -> int:
 _DELEGATED = {
     "engine": ("session_server.localengine", "a real vLLM engine on this machine's CPU"),
     "operator": ("tokenkeep_operator.cli", "run the Kubernetes operator"),
+    "demo": ("session_server.demo", "run the whole stack locally and drive a session"),
 }
 
 

@@ -82,6 +82,9 @@ class Conversation:
     model: str | None = None
     required_prefix_token_ids: list[int] | None = None
     """Token-aware clients: the exact token prefix the prompt must start with."""
+    reasoning_ended: bool | None = None
+    """vLLM: structured outputs apply from the first token even under a reasoning parser
+    (otherwise only after the reasoning block closes)."""
     previous_response_id: str | None = None
     """Responses API: `messages` are only the new items after that response's turn."""
 

@@ -19,6 +19,7 @@ a request that fails stores nothing.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 import time
@@ -359,7 +360,12 @@ class TurnService:
     async def complete(self, session_id: str, conversation: Conversation) -> TurnResult:
         plan = await self.plan(session_id, conversation)
         started = time.perf_counter()
-        generation = await self.engine.generate(session_id, plan.prompt_ids, plan.sampling)
+        generation = await self.engine.generate(
+            session_id,
+            plan.prompt_ids,
+            plan.sampling,
+            reasoning_ended=conversation.reasoning_ended,
+        )
         self.metrics.engine_seconds.observe(time.perf_counter() - started)
         self._check_proof(plan, generation.prompt_ids)
         replies = [
@@ -399,27 +405,34 @@ class TurnService:
         logprobs: list[list[float]] = [[] for _ in range(conversation.n)]
         finish: list[tuple[str, int | str | None] | None] = [None] * conversation.n
         announced = False
-        async for event in self.engine.stream(session_id, plan.prompt_ids, plan.sampling):
-            if isinstance(event, GenerationDelta):
-                if not announced:
-                    announced = True
-                    yield self._started(plan, conversation, response_id)
-                i = event.index
-                tokens[i].extend(event.token_ids)
-                logprobs[i].extend(event.logprobs)
-                text = streamers[i].feed(event.token_ids)
-                if event.token_ids or text.content or text.reasoning:
-                    yield ChoiceDelta(
-                        index=i,
-                        token_ids=list(event.token_ids),
-                        logprobs=list(event.logprobs),
-                        content=text.content,
-                        reasoning=text.reasoning,
-                    )
-                if event.finish_reason is not None:
-                    finish[i] = (event.finish_reason, event.stop_reason)
-            else:  # the engine's report of the prompt it received
-                self._check_proof(plan, event.prompt_ids)
+        engine_stream = self.engine.stream(
+            session_id,
+            plan.prompt_ids,
+            plan.sampling,
+            reasoning_ended=conversation.reasoning_ended,
+        )
+        async with contextlib.aclosing(engine_stream) as events:
+            async for event in events:
+                if isinstance(event, GenerationDelta):
+                    if not announced:
+                        announced = True
+                        yield self._started(plan, conversation, response_id)
+                    i = event.index
+                    tokens[i].extend(event.token_ids)
+                    logprobs[i].extend(event.logprobs)
+                    text = streamers[i].feed(event.token_ids)
+                    if event.token_ids or text.content or text.reasoning:
+                        yield ChoiceDelta(
+                            index=i,
+                            token_ids=list(event.token_ids),
+                            logprobs=list(event.logprobs),
+                            content=text.content,
+                            reasoning=text.reasoning,
+                        )
+                    if event.finish_reason is not None:
+                        finish[i] = (event.finish_reason, event.stop_reason)
+                else:  # the engine's report of the prompt it received
+                    self._check_proof(plan, event.prompt_ids)
         self.metrics.engine_seconds.observe(time.perf_counter() - started)
         if not announced:
             yield self._started(plan, conversation, response_id)

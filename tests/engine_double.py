@@ -142,6 +142,10 @@ class EngineDouble:
     generate_endpoint: bool = True
     default: Callable[[list[int], dict[str, Any]], ScriptedCompletion] | None = None
     healthy: bool = True
+    chunk_delay_s: float = 0.0
+    """Pause after each streamed chunk (to let a test act while a stream is running)."""
+    streams_ended: int = 0
+    """Streams whose body finished or was abandoned by the client (vLLM aborts those)."""
     requests: list[RecordedRequest] = field(default_factory=list)
     port: int = 0
     _scripts: deque[Script] = field(default_factory=deque)
@@ -172,7 +176,13 @@ class EngineDouble:
             self.requests.clear()
             self.default = None
             self.healthy = True
+            self.chunk_delay_s = 0.0
+            self.streams_ended = 0
             self.generate_endpoint = True
+
+    def _stream_ended(self) -> None:
+        with self._lock:
+            self.streams_ended += 1
 
     def paths(self) -> list[str]:
         with self._lock:
@@ -415,7 +425,12 @@ class EngineDouble:
                 )
             )
         chunks = _generate_chunks(request_id, prompt_out, completions, want_logprobs)
-        return _sse(_with_fault(chunks, request.state.fault), media_type="text/event-stream")
+        return _sse(
+            _with_fault(chunks, request.state.fault),
+            media_type="text/event-stream",
+            chunk_delay_s=self.chunk_delay_s,
+            on_close=self._stream_ended,
+        )
 
     # --- /v1/completions (token-ID prompt) ----------------------------------------------
 
@@ -446,7 +461,12 @@ class EngineDouble:
         chunks = _completions_chunks(
             request_id, self.model, prompt, completions, want_logprobs, return_ids
         )
-        return _sse(_with_fault(chunks, request.state.fault), media_type="text/event-stream")
+        return _sse(
+            _with_fault(chunks, request.state.fault),
+            media_type="text/event-stream",
+            chunk_delay_s=self.chunk_delay_s,
+            on_close=self._stream_ended,
+        )
 
 
 # --- wire shapes (mirroring tests/fixtures/vllm/*.json) --------------------------------------
@@ -461,12 +481,21 @@ def _error_line(error: dict[str, Any]) -> str:
     return f"data: {json.dumps(error)}\n\n"
 
 
-def _sse(lines: Iterator[str] | list[str], media_type: str) -> StreamingResponse:
+def _sse(
+    lines: Iterator[str] | list[str],
+    media_type: str,
+    chunk_delay_s: float = 0.0,
+    on_close: Callable[[], None] | None = None,
+) -> StreamingResponse:
     async def body() -> AsyncIterator[str]:
-        for line in lines:
-            yield line
-            await asyncio.sleep(0)
-        yield "data: [DONE]\n\n"
+        try:
+            for line in lines:
+                yield line
+                await asyncio.sleep(chunk_delay_s)
+            yield "data: [DONE]\n\n"
+        finally:
+            if on_close is not None:
+                on_close()
 
     return StreamingResponse(body(), media_type=media_type)
 

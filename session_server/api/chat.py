@@ -100,6 +100,7 @@ class ChatCompletionRequest(BaseModel):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    reasoning_ended: bool | None = None
     required_prefix_token_ids: list[int] | None = None
 
 
@@ -185,6 +186,7 @@ def to_conversation(body: ChatCompletionRequest) -> Conversation:
         api="chat",
         model=body.model,
         required_prefix_token_ids=body.required_prefix_token_ids,
+        reasoning_ended=body.reasoning_ended,
     )
 
 
@@ -396,7 +398,9 @@ async def _serve(session_id: str, body: ChatCompletionRequest, request: Request)
         status, message, param, kind = classify(exc)
         return data_line(error_body(request.url.path, status, message, param=param, type=kind))
 
-    return sse_response(_chunks(events, conversation, service.model, include_usage), on_error)
+    return sse_response(
+        _chunks(events, conversation, service.model, include_usage), on_error, upstream=events
+    )
 
 
 @router.post("/sessions/{session_id}/v1/chat/completions")

@@ -460,7 +460,7 @@ async def _serve(session_id: str, wire: MessagesRequest, request: Request) -> An
             "error", error_body(request.url.path, status, message, param=param, type=kind)
         )
 
-    return sse_response(message_stream(events), on_error)
+    return sse_response(message_stream(events), on_error, upstream=events)
 
 
 async def _count_tokens(session_id: str, wire: CountTokensRequest, request: Request) -> Any:

@@ -574,7 +574,7 @@ async def _serve(session_id: str, wire: ResponsesRequest, request: Request) -> A
         return response_from_result(wire, result)
     events = await first_then_rest(service.stream(session_id, conversation))
     stream = ResponseStream(wire)
-    return sse_response(stream.frames(events), stream.error)
+    return sse_response(stream.frames(events), stream.error, upstream=events)
 
 
 @router.post("/sessions/{session_id}/v1/responses")

@@ -32,17 +32,25 @@ async def first_then_rest(events: AsyncIterator[StreamEvent]) -> AsyncIterator[S
     first = await anext(events)
 
     async def chained() -> AsyncIterator[StreamEvent]:
-        yield first
-        async for event in events:
-            yield event
+        try:
+            yield first
+            async for event in events:
+                yield event
+        finally:
+            await events.aclose()  # type: ignore[attr-defined]
 
     return chained()
 
 
 def sse_response(
-    chunks: AsyncIterator[bytes], on_error: Callable[[Exception], bytes]
+    chunks: AsyncIterator[bytes],
+    on_error: Callable[[Exception], bytes],
+    *,
+    upstream: AsyncIterator[StreamEvent],
 ) -> StreamingResponse:
-    """Stream `chunks`; an error after the stream started is sent as one last event."""
+    """Stream `chunks` (formatted from `upstream`); an error after the stream started is sent
+    as one last event. When the client goes away, `upstream` is closed at once, which closes
+    the engine request and stops its generation (nothing is stored for it)."""
 
     async def body() -> AsyncIterator[bytes]:
         try:
@@ -50,6 +58,9 @@ def sse_response(
                 yield chunk
         except Exception as exc:  # the status line is gone: report in-band, as vLLM does
             yield on_error(exc)
+        finally:
+            await chunks.aclose()  # type: ignore[attr-defined]
+            await upstream.aclose()  # type: ignore[attr-defined]
 
     return StreamingResponse(
         body(),

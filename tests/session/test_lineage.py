@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import httpx
@@ -276,3 +277,21 @@ def test_tokenize_and_detokenize_match_the_served_template(stack: Stack) -> None
         assert text.endswith("<|im_start|>assistant\n")
         bad = http.post("/detokenize", json={"tokens": [10**9]})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_client_hanging_up_mid_stream_stops_generation_and_stores_nothing(stack: Stack) -> None:
+    stack.double.script(ScriptedCompletion(tokens(stack.model, *(["tok"] * 200), END)))
+    stack.double.chunk_delay_s = 0.02  # the whole stream would take 4 s
+    with (
+        httpx.Client(base_url=stack.url, timeout=30) as http,
+        http.stream(
+            "POST", "/sessions/hangup/v1/chat/completions", json={"messages": USER, "stream": True}
+        ) as response,
+    ):
+        assert next(line for line in response.iter_lines() if line.startswith("data:"))
+    hung_up = time.monotonic()
+    while stack.double.streams_ended == 0 and time.monotonic() - hung_up < 10:
+        time.sleep(0.02)
+    assert stack.double.streams_ended == 1
+    assert time.monotonic() - hung_up < 2, "the engine kept generating for a gone client"
+    assert _summary(stack, "hangup")["turns"] == 0
