@@ -240,7 +240,6 @@ class SessionServerSpec(CRDModel):
     renderer: str = "auto"
     redis: Redis = Redis()
     session_ttl_seconds: int = Field(86400, ge=60)
-    max_sessions: int | None = Field(None, ge=1)
     sampling_overrides: dict[str, Any] = Field(
         default_factory=dict,
         description="Sampling parameters that win over what harnesses send (e.g. temperature).",

@@ -56,7 +56,10 @@ def build_service(
     )
     return TurnService(
         store=store or open_store(settings.redis_url),
-        engine=engine or EngineClient(settings.engine_urls, model=settings.model),
+        engine=engine
+        or EngineClient(
+            settings.engine_urls, model=settings.model, discover=settings.engine_discovery
+        ),
         model=model,
         config=config,
         metrics=metrics or Metrics(),

@@ -24,6 +24,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", help="bind address (TOKENKEEP_HOST)")
     p.add_argument("--port", type=int, help="port (TOKENKEEP_PORT)")
     p.add_argument("--context-length", type=int, help="max model length (TOKENKEEP_CONTEXT_LENGTH)")
+    p.add_argument(
+        "--engine-discovery",
+        action="store_true",
+        default=None,
+        help="one replica per address of each engine host (TOKENKEEP_ENGINE_DISCOVERY)",
+    )
     p.add_argument("--log-level", default=env("TOKENKEEP_LOG_LEVEL", "info"))
 
 

@@ -22,6 +22,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -125,6 +126,20 @@ class Replica:
     consecutive_failures: int = 0
 
 
+async def _resolve(url: str) -> list[str]:
+    """`url` once per address its host resolves to (none if it does not resolve now)."""
+    parsed = httpx.URL(url)
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    loop = asyncio.get_running_loop()
+    try:
+        infos = await loop.getaddrinfo(parsed.host, port, type=socket.SOCK_STREAM)
+    except OSError as exc:
+        logger.warning("engine host %s does not resolve: %s", parsed.host, exc)
+        return []
+    addresses = sorted({info[4][0] for info in infos})
+    return [str(parsed.copy_with(host=address, port=port)).rstrip("/") for address in addresses]
+
+
 def encode_body(body: dict[str, Any]) -> bytes:
     """The request body as JSON bytes: the prompt's token IDs dominate it, and orjson
     serialises 32k of them in a fraction of a millisecond (json.dumps: several)."""
@@ -189,12 +204,15 @@ class EngineClient:
         health_interval_s: float = 5.0,
         max_connections: int = 512,
         transport: httpx.AsyncBaseTransport | None = None,
+        discover: bool = False,
     ):
         if not urls:
             raise ValueError("at least one engine URL is required")
         self.model = model
         self.health_interval_s = health_interval_s
-        self._replicas = {url.rstrip("/"): Replica(url.rstrip("/")) for url in urls}
+        self._configured = [url.rstrip("/") for url in urls]
+        self._discover = discover
+        self._replicas = {url: Replica(url) for url in self._configured}
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
             limits=httpx.Limits(
@@ -211,6 +229,7 @@ class EngineClient:
 
     async def start(self) -> None:
         """Check every replica once, then keep checking in the background."""
+        await self.discover()
         await self.check_health()
         if self._health_task is None:
             self._health_task = asyncio.create_task(self._health_loop(), name="engine-health")
@@ -251,10 +270,25 @@ class EngineClient:
         if healthy:
             replica.consecutive_failures = 0
 
+    async def discover(self) -> None:
+        """With discovery on, every address a configured host name resolves to is one
+        replica (a Kubernetes headless Service lists each engine pod), re-resolved on every
+        health round: pods that come are added, pods that go are dropped."""
+        if not self._discover:
+            return
+        found: dict[str, Replica] = {}
+        for url in self._configured:
+            for address_url in await _resolve(url):
+                found[address_url] = self._replicas.get(address_url) or Replica(address_url)
+        if found and found.keys() != self._replicas.keys():
+            logger.info("engine replicas: %s", ", ".join(sorted(found)))
+            self._replicas = found
+
     async def _health_loop(self) -> None:
         while True:
             await asyncio.sleep(self.health_interval_s)
             try:
+                await self.discover()
                 await self.check_health()
             except Exception:  # the loop must outlive any single bad check
                 logger.exception("engine health check failed")

@@ -15,6 +15,9 @@ class Settings(BaseSettings):
 
     engine_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """vLLM replicas (TOKENKEEP_ENGINE_URLS, comma-separated)."""
+    engine_discovery: bool = False
+    """Treat every address an engine host name resolves to as a replica, re-resolved over
+    time (TOKENKEEP_ENGINE_DISCOVERY; the operator sets it for its headless Service)."""
     model: str = "default"
     """The model name the engine serves (sent to the engine, reported to clients)."""
     tokenizer: str = ""

@@ -71,6 +71,8 @@ def settings(
     """The session server's environment, as ConfigMap data (secrets are referenced apart)."""
     data = {
         "TOKENKEEP_ENGINE_URLS": engine.replicas_url(model_server_name, owner.namespace),
+        # The headless Service resolves to every engine pod: one replica each.
+        "TOKENKEEP_ENGINE_DISCOVERY": "true",
         "TOKENKEEP_MODEL": engine.served_model_name(model_server_name, model_server),
         "TOKENKEEP_TOKENIZER": tokenizer(spec, model_server),
         "TOKENKEEP_RENDERER": spec.renderer,
@@ -79,8 +81,6 @@ def settings(
         "TOKENKEEP_SESSION_TTL_SECONDS": str(spec.session_ttl_seconds),
         "HF_HOME": "/cache/huggingface",
     }
-    if spec.max_sessions is not None:
-        data["TOKENKEEP_MAX_SESSIONS"] = str(spec.max_sessions)
     if spec.sampling_overrides:
         data["TOKENKEEP_SAMPLING_OVERRIDES"] = json.dumps(
             spec.sampling_overrides, sort_keys=True, separators=(",", ":")

@@ -382,3 +382,15 @@ async def test_engine_without_token_endpoint_falls_back_to_completions(
     assert request.prompt_ids == PROMPT
     assert request.sampling == {**SAMPLING, "logprobs": 0}
     assert request.body["return_token_ids"] is True
+
+
+async def test_discovery_makes_each_address_of_a_host_a_replica(engine_double) -> None:
+    """`localhost` resolves to 127.0.0.1 (and ::1 where IPv6 is configured): with discovery
+    each address becomes its own replica, and requests still reach the engine."""
+    port = engine_double.port
+    async with EngineClient([f"http://localhost:{port}"], model="m", discover=True) as client:
+        urls = {replica.url for replica in client.replicas}
+        assert f"http://127.0.0.1:{port}" in urls
+        assert f"http://localhost:{port}" not in urls
+    async with EngineClient([f"http://localhost:{port}"], model="m") as client:
+        assert [replica.url for replica in client.replicas] == [f"http://localhost:{port}"]

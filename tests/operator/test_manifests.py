@@ -65,7 +65,6 @@ def external_sessionserver() -> dict[str, Any]:
                 "mode": "External",
                 "external": {"urlSecretRef": {"name": "r", "key": "url"}},
             },
-            "maxSessions": 10000,
             "serviceType": "LoadBalancer",
         },
     }
@@ -233,7 +232,6 @@ def test_external_redis_url_comes_from_its_secret_and_no_redis_is_run() -> None:
     redis_url = next(e for e in env if e["name"] == "TOKENKEEP_REDIS_URL")
     assert redis_url["valueFrom"]["secretKeyRef"] == {"name": "r", "key": "url"}
     assert data["TOKENKEEP_MODEL"] == "qwen3-8b"
-    assert data["TOKENKEEP_MAX_SESSIONS"] == "10000"
 
 
 def test_changed_settings_roll_the_session_pods() -> None:
