@@ -12,7 +12,7 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 
 from session_server import __version__
-from session_server.api import chat, errors, health, sessions
+from session_server.api import chat, completions, errors, health, messages, responses, sessions
 from session_server.api.session_ids import bearer_token
 from session_server.engines import EngineClient
 from session_server.metrics import Metrics
@@ -82,9 +82,8 @@ def create_app(settings: Settings, service: TurnService | None = None) -> FastAP
     app.state.turns = service
     app.state.settings = settings
     errors.install(app)
-    for module in (chat, sessions, health):
+    for module in (chat, messages, responses, completions, sessions, health):
         app.include_router(module.router)
-    _install_extra_routers(app)
 
     @app.middleware("http")
     async def access_log(request: Request, call_next: Any) -> Response:
@@ -106,18 +105,6 @@ def create_app(settings: Settings, service: TurnService | None = None) -> FastAP
         return response
 
     return app
-
-
-def _install_extra_routers(app: FastAPI) -> None:
-    """Front-ends that live in their own modules (Messages, Responses, Completions)."""
-    import importlib
-
-    for name in ("messages", "responses", "completions"):
-        try:
-            module = importlib.import_module(f"session_server.api.{name}")
-        except ModuleNotFoundError:
-            continue
-        app.include_router(module.router)
 
 
 def _log_line(request: Request, status: int, started: float) -> None:

@@ -20,10 +20,12 @@ a request that fails stores nothing.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 import re
 import time
 import uuid
+from array import array
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -83,7 +85,8 @@ class Plan:
     prompt_delta: list[int]
     kind: str
     break_reason: str | None
-    lineage: Lineage
+    lineage: Lineage | None
+    """Message lineage (None for token-ID requests, which are keyed by tokens)."""
     n_messages: int
     sampling: dict[str, Any]
     splice_seconds: float
@@ -227,6 +230,80 @@ class TurnService:
         )
         return plan
 
+    async def plan_tokens(
+        self, session_id: str, prompt_ids: list[int], conversation: Conversation
+    ) -> Plan:
+        """Classify a token-ID prompt: the deepest stored turn whose prompt + sampled
+        tokens are a prefix of it is its parent, and only the rest is new."""
+        if not prompt_ids:
+            raise ConversationError("prompt must not be empty", param="prompt")
+        bad = [t for t in prompt_ids if not 0 <= t < self.model.vocab_size]
+        if bad:
+            raise ConversationError(f"token ids out of vocabulary: {bad[:5]}", param="prompt")
+        started = time.perf_counter()
+        meta = await self.session(session_id)
+        cuts = token_cut_points(prompt_ids, set(self.model.stop_token_ids))
+        cut_keys = token_prefix_keys(prompt_ids, cuts)
+        found = await self.store.lookup(
+            session_id,
+            cut_keys,
+            token_input_key(prompt_ids),
+            known=self._record_cache(session_id),
+        )
+        n = len(prompt_ids)
+        if found.retry_of is not None:
+            retry = found.retry_of
+            plan = self._plan(
+                meta,
+                conversation,
+                None,
+                prompt_ids,
+                retry.parent_id,
+                retry.segment_start,
+                retry.prompt_delta,
+                "retry",
+                retry.break_reason,
+            )
+        elif found.parent_path and found.matched_key_index is not None:
+            cut = cuts[found.matched_key_index]
+            stored = _tokens_through(found.parent_path)
+            if stored != prompt_ids[:cut]:  # a hash collision: never trust it
+                raise ProofFailed("token lookup matched a turn whose tokens differ")
+            kind = "fork" if found.parent_children else "extend"
+            plan = self._plan(
+                meta,
+                conversation,
+                None,
+                prompt_ids,
+                found.parent_path[-1].turn_id,
+                False,
+                prompt_ids[cut:],
+                kind,
+                None,
+            )
+        elif found.turn_count == 0:
+            plan = self._plan(
+                meta, conversation, None, prompt_ids, None, True, prompt_ids, "first", None
+            )
+        else:
+            plan = self._plan(
+                meta,
+                conversation,
+                None,
+                prompt_ids,
+                None,
+                True,
+                prompt_ids,
+                "rewrite",
+                "history_mismatch",
+            )
+        plan.n_messages = 0
+        plan.splice_seconds = time.perf_counter() - started
+        plan.sampling = build_sampling(
+            conversation, meta.sampling_overrides, self.config, self.model, prompt_length=n
+        )
+        return plan
+
     async def _continue_response(
         self, session_id: str, conversation: Conversation, rules: list[re.Pattern[str]] | None
     ) -> tuple[LookupResult, Lineage]:
@@ -333,7 +410,7 @@ class TurnService:
         self,
         meta: SessionMeta,
         conversation: Conversation,
-        keys: Lineage,
+        keys: Lineage | None,
         prompt: list[int],
         parent_id: int | None,
         segment_start: bool,
@@ -358,7 +435,37 @@ class TurnService:
     # --- generation -------------------------------------------------------------------
 
     async def complete(self, session_id: str, conversation: Conversation) -> TurnResult:
-        plan = await self.plan(session_id, conversation)
+        return await self._complete(await self.plan(session_id, conversation), conversation)
+
+    def stream(self, session_id: str, conversation: Conversation) -> AsyncIterator[StreamEvent]:
+        async def planned() -> AsyncIterator[StreamEvent]:
+            plan = await self.plan(session_id, conversation)
+            async with contextlib.aclosing(self._stream(plan, conversation)) as events:
+                async for event in events:
+                    yield event
+
+        return planned()
+
+    async def complete_tokens(
+        self, session_id: str, prompt_ids: list[int], conversation: Conversation
+    ) -> TurnResult:
+        """A client that sends the token prompt itself (`/v1/completions`)."""
+        plan = await self.plan_tokens(session_id, prompt_ids, conversation)
+        return await self._complete(plan, conversation)
+
+    def stream_tokens(
+        self, session_id: str, prompt_ids: list[int], conversation: Conversation
+    ) -> AsyncIterator[StreamEvent]:
+        async def planned() -> AsyncIterator[StreamEvent]:
+            plan = await self.plan_tokens(session_id, prompt_ids, conversation)
+            async with contextlib.aclosing(self._stream(plan, conversation)) as events:
+                async for event in events:
+                    yield event
+
+        return planned()
+
+    async def _complete(self, plan: Plan, conversation: Conversation) -> TurnResult:
+        session_id = plan.session.session_id
         started = time.perf_counter()
         generation = await self.engine.generate(
             session_id,
@@ -394,10 +501,8 @@ class TurnService:
             ],
         )
 
-    async def stream(
-        self, session_id: str, conversation: Conversation
-    ) -> AsyncIterator[StreamEvent]:
-        plan = await self.plan(session_id, conversation)
+    async def _stream(self, plan: Plan, conversation: Conversation) -> AsyncIterator[StreamEvent]:
+        session_id = plan.session.session_id
         response_id = uuid.uuid4().hex
         started = time.perf_counter()
         streamers = [ReplyStreamer(self.model) for _ in range(conversation.n)]
@@ -494,7 +599,18 @@ class TurnService:
         records: list[TurnRecord] = []
         keys: list[list[str]] = []
         for i, s in enumerate(sampled):
-            reply_key = plan.lineage.reply_key(s.message)
+            if plan.lineage is not None:
+                reply_key = plan.lineage.reply_key(s.message)
+                turn_keys = [reply_key, plan.lineage.input_key]
+            else:
+                reply_key = None
+                turn_keys = [
+                    token_key(plan.prompt_ids + s.token_ids),
+                    token_input_key(plan.prompt_ids),
+                ]
+            if i == 0:
+                turn_keys.append(RESPONSE_KEY_PREFIX + response_id)
+            keys.append(turn_keys)
             records.append(
                 TurnRecord(
                     turn_id=0,
@@ -509,16 +625,10 @@ class TurnService:
                     stop_reason=s.stop_reason,
                     n_messages=plan.n_messages,
                     api=conversation.api,
-                    extra={
-                        "splice_ms": round(plan.splice_seconds * 1000, 3),
-                        "reply_key": reply_key,
-                    },
+                    extra={"splice_ms": round(plan.splice_seconds * 1000, 3)}
+                    | ({"reply_key": reply_key} if reply_key else {}),
                 )
             )
-            turn_keys = [reply_key, plan.lineage.input_key]
-            if i == 0:
-                turn_keys.append(RESPONSE_KEY_PREFIX + response_id)
-            keys.append(turn_keys)
         try:
             ids = await self.store.append_turns(plan.session.session_id, records, keys)
         except SessionNotFound:
@@ -561,6 +671,40 @@ class _Sampled:
     stop_reason: int | str | None
     message: Message
     api_finish: str
+
+
+def token_key(tokens: list[int]) -> str:
+    """Names a token sequence (a turn's prompt + sampled tokens) for token-ID clients."""
+    return "t:" + hashlib.blake2b(array("I", tokens).tobytes(), digest_size=12).hexdigest()
+
+
+def token_prefix_keys(tokens: list[int], cuts: list[int]) -> list[str]:
+    """`token_key(tokens[:cut])` for every cut, in one pass over the tokens."""
+    data = array("I", tokens).tobytes()
+    running = hashlib.blake2b(digest_size=12)
+    keys: list[str] = []
+    done = 0
+    for cut in cuts:
+        running.update(data[4 * done : 4 * cut])
+        done = cut
+        keys.append("t:" + running.copy().hexdigest())
+    return keys
+
+
+def token_input_key(tokens: list[int]) -> str:
+    return "ti:" + token_key(tokens)[2:]
+
+
+def token_cut_points(prompt_ids: list[int], stop_ids: set[int]) -> list[int]:
+    """Where in a token prompt a stored turn can end, shallowest first: after an
+    end-of-turn token, or before one (a truncated turn the client closed itself)."""
+    cuts: list[int] = []
+    for i, token in enumerate(prompt_ids):
+        if token in stop_ids:
+            if i > 0 and (not cuts or cuts[-1] != i):
+                cuts.append(i)
+            cuts.append(i + 1)
+    return [c for c in cuts if c < len(prompt_ids)]
 
 
 def _tokens_through(path: list[TurnRecord]) -> list[int]:

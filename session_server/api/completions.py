@@ -1,0 +1,265 @@
+"""OpenAI (legacy) Completions front-end, for clients that send the token prompt themselves.
+
+A token-ID prompt is matched against the session's stored tokens (`TurnService.plan_tokens`):
+the deepest turn whose prompt + sampled tokens it starts with is its parent, and only what
+follows is new context. A text prompt is tokenized as given (no chat template). One prompt
+per request: a session is one conversation.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from session_server.api.errors import classify, error_body
+from session_server.api.session_ids import check_session_id, session_id_from_headers
+from session_server.api.sse import DONE, data_line, first_then_rest, sse_response
+from session_server.conversation import Conversation, ConversationError
+from session_server.results import (
+    ChoiceDelta,
+    ChoiceFinished,
+    StreamFinished,
+    StreamStarted,
+    TurnResult,
+)
+
+router = APIRouter()
+
+_REPLACEMENT = "\ufffd"
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False
+
+
+class CompletionRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=16, ge=1)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = None
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    n: int = Field(default=1, ge=1, le=128)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
+    echo: bool = False
+    structured_outputs: dict[str, Any] | None = None
+
+
+def prompt_ids(body: CompletionRequest, model: Any) -> list[int]:
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return model.encode(prompt)
+    if not prompt:
+        raise ConversationError("prompt must not be empty", param="prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return list(prompt)  # type: ignore[arg-type]
+    if len(prompt) != 1:
+        raise ConversationError(
+            "one prompt per request: a session is one conversation", param="prompt"
+        )
+    only = prompt[0]
+    return model.encode(only) if isinstance(only, str) else list(only)
+
+
+def to_conversation(body: CompletionRequest) -> Conversation:
+    if body.echo:
+        raise ConversationError("echo is not supported", param="echo")
+    sampling: dict[str, Any] = {}
+    for key in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "max_tokens",
+    ):
+        value = getattr(body, key)
+        if value is not None:
+            sampling[key] = value
+    if body.stop:
+        sampling["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop)
+    return Conversation(
+        messages=[],
+        sampling=sampling,
+        n=body.n,
+        logprobs=body.logprobs is not None,
+        response_format=body.structured_outputs,
+        stream=body.stream,
+        api="completions",
+        model=body.model,
+    )
+
+
+def _text(model: Any, token_ids: list[int]) -> str:
+    stops = set(model.stop_token_ids)
+    while token_ids and token_ids[-1] in stops:
+        token_ids = token_ids[:-1]
+    return model.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def _logprobs(model: Any, token_ids: list[int], values: list[float], offset: int) -> dict[str, Any]:
+    tokens = [model.decode([t]) for t in token_ids]
+    offsets, position = [], offset
+    for token in tokens:
+        offsets.append(position)
+        position += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [None if math.isnan(v) else v for v in values],
+        "top_logprobs": None,
+        "text_offset": offsets,
+    }
+
+
+def _usage(result: TurnResult) -> dict[str, int]:
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+        "total_tokens": result.prompt_tokens + result.completion_tokens,
+    }
+
+
+def format_result(result: TurnResult, conversation: Conversation, model: Any) -> dict[str, Any]:
+    return {
+        "id": "cmpl-" + result.response_id,
+        "object": "text_completion",
+        "created": result.created,
+        "model": result.model,
+        "choices": [
+            {
+                "index": c.index,
+                "text": _text(model, c.token_ids),
+                "logprobs": _logprobs(model, c.token_ids, c.logprobs, 0)
+                if conversation.logprobs
+                else None,
+                "finish_reason": "length" if c.finish_reason == "length" else "stop",
+                "stop_reason": c.stop_reason,
+                "token_ids": c.token_ids,
+            }
+            for c in result.choices
+        ],
+        "usage": _usage(result),
+        "prompt_token_ids": result.prompt_ids,
+        "tokenkeep": {
+            "kind": result.kind,
+            "break_reason": result.break_reason,
+            "turn_ids": [c.turn_id for c in result.choices],
+        },
+    }
+
+
+async def _chunks(
+    events: AsyncIterator[Any], conversation: Conversation, model: Any, include_usage: bool
+) -> AsyncIterator[bytes]:
+    head: dict[str, Any] = {}
+    pending: dict[int, list[int]] = {}
+    stops = set(model.stop_token_ids)
+    async for event in events:
+        if isinstance(event, StreamStarted):
+            head = {
+                "id": "cmpl-" + event.response_id,
+                "object": "text_completion",
+                "created": event.created,
+                "model": event.model,
+            }
+            yield data_line(
+                {
+                    **head,
+                    "choices": [],
+                    "prompt_token_ids": event.prompt_ids,
+                    "tokenkeep": {"kind": event.kind, "break_reason": event.break_reason},
+                }
+            )
+        elif isinstance(event, ChoiceDelta):
+            held = pending.setdefault(event.index, [])
+            held.extend(t for t in event.token_ids if t not in stops)
+            text = model.tokenizer.decode(held, skip_special_tokens=True)
+            if text.endswith(_REPLACEMENT):
+                text = ""  # the rest of the character is in a later token
+            else:
+                held.clear()
+            yield data_line(
+                {
+                    **head,
+                    "choices": [
+                        {
+                            "index": event.index,
+                            "text": text,
+                            "finish_reason": None,
+                            "logprobs": _logprobs(model, event.token_ids, event.logprobs, 0)
+                            if conversation.logprobs
+                            else None,
+                            "token_ids": event.token_ids,
+                        }
+                    ],
+                }
+            )
+        elif isinstance(event, ChoiceFinished):
+            rest = model.tokenizer.decode(pending.pop(event.index, []), skip_special_tokens=True)
+            yield data_line(
+                {
+                    **head,
+                    "choices": [
+                        {
+                            "index": event.index,
+                            "text": rest,
+                            "logprobs": None,
+                            "finish_reason": "length"
+                            if event.finish_reason == "length"
+                            else "stop",
+                        }
+                    ],
+                }
+            )
+        elif isinstance(event, StreamFinished) and include_usage:
+            yield data_line({**head, "choices": [], "usage": _usage(event.result)})
+    yield DONE
+
+
+async def _serve(session_id: str, body: CompletionRequest, request: Request) -> Any:
+    service = request.app.state.turns
+    request.state.session_id = session_id
+    request.state.api = "completions"
+    conversation = to_conversation(body)
+    ids = prompt_ids(body, service.model)
+    if not conversation.stream:
+        result = await service.complete_tokens(session_id, ids, conversation)
+        request.state.turn_kind = result.kind
+        return format_result(result, conversation, service.model)
+    events = await first_then_rest(service.stream_tokens(session_id, ids, conversation))
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+    def on_error(exc: Exception) -> bytes:
+        status, message, param, kind = classify(exc)
+        return data_line(error_body(request.url.path, status, message, param=param, type=kind))
+
+    return sse_response(
+        _chunks(events, conversation, service.model, include_usage), on_error, upstream=events
+    )
+
+
+@router.post("/sessions/{session_id}/v1/completions")
+async def session_completions(session_id: str, body: CompletionRequest, request: Request) -> Any:
+    return await _serve(check_session_id(session_id), body, request)
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Any:
+    return await _serve(session_id_from_headers(request), body, request)
