@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -196,9 +197,7 @@ class ChatModel:
             ToolCall(
                 id=tc.id or "call_" + uuid.uuid4().hex[:24],
                 name=tc.name or "",
-                arguments=tc.arguments
-                if isinstance(tc.arguments, str)
-                else json.dumps(tc.arguments, ensure_ascii=False),
+                arguments=sampled_arguments(tc.raw, tc.arguments),
             )
             for tc in parsed.tool_calls
             if tc.status == ToolCallParseStatus.OK and tc.name
@@ -221,6 +220,25 @@ class ChatModel:
 
 
 # --- helpers ------------------------------------------------------------------------------
+
+_ARGUMENTS_KEY = re.compile(r'"(?:arguments|parameters)"\s*:\s*')
+
+
+def sampled_arguments(raw: str, parsed: Any) -> str:
+    """The arguments exactly as the model wrote them (compact JSON stays compact, escapes
+    stay escaped), when they can be cut out of the raw tool-call block; else re-serialised."""
+    if isinstance(parsed, str):
+        return parsed
+    decoder = json.JSONDecoder()
+    for match in _ARGUMENTS_KEY.finditer(raw):
+        try:
+            value, end = decoder.raw_decode(raw, match.end())
+        except ValueError:
+            continue
+        if value == parsed:
+            return raw[match.end() : end]
+    return json.dumps(parsed, ensure_ascii=False)
+
 
 
 def _prove(prompt_ids: list[int], completion_ids: list[int], rendered: Any) -> list[int] | None:
