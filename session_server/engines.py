@@ -121,7 +121,6 @@ class Replica:
     url: str
     healthy: bool = True  # optimistic until a check or a request says otherwise
     protocol: Protocol = Protocol.GENERATE
-    consecutive_failures: int = 0
 
 
 def rendezvous_order(session_id: str, urls: list[str]) -> list[str]:
@@ -241,8 +240,6 @@ class EngineClient:
         if healthy != replica.healthy:
             logger.warning("engine %s is now %s", replica.url, "up" if healthy else "down")
         replica.healthy = healthy
-        if healthy:
-            replica.consecutive_failures = 0
 
     async def _health_loop(self) -> None:
         while True:
@@ -260,7 +257,6 @@ class EngineClient:
         return [self._replicas[url] for url in ranked]
 
     def _mark_down(self, replica: Replica, reason: str) -> None:
-        replica.consecutive_failures += 1
         if replica.healthy:
             logger.warning("engine %s marked down: %s", replica.url, reason)
         replica.healthy = False
@@ -304,7 +300,8 @@ class EngineClient:
     ) -> AsyncIterator[StreamEvent]:
         """Yields one `StreamStart`, then `GenerationDelta`s as the engine samples. Failures
         before the first chunk move to the next replica; after it they raise `EngineError`.
-        Closing the iterator early closes the connection, which makes vLLM abort the request."""
+        Closing the iterator early (`async with contextlib.aclosing(client.stream(...))`)
+        closes the connection, which makes vLLM abort the request."""
         call = _Call(session_id, prompt_ids, sampling, reasoning_ended, stream=True)
         last_error: EngineError | None = None
         for replica in self.order_for(session_id):
@@ -568,6 +565,7 @@ __all__ = [
     "EngineError",
     "Generation",
     "GenerationDelta",
+    "Protocol",
     "Replica",
     "StreamEvent",
     "StreamStart",
