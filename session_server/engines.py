@@ -123,7 +123,6 @@ class Replica:
     url: str
     healthy: bool = True  # optimistic until a check or a request says otherwise
     protocol: Protocol = Protocol.GENERATE
-    consecutive_failures: int = 0
 
 
 async def _resolve(url: str) -> list[str]:
@@ -267,8 +266,6 @@ class EngineClient:
         if healthy != replica.healthy:
             logger.warning("engine %s is now %s", replica.url, "up" if healthy else "down")
         replica.healthy = healthy
-        if healthy:
-            replica.consecutive_failures = 0
 
     async def discover(self) -> None:
         """With discovery on, every address a configured host name resolves to is one
@@ -301,7 +298,6 @@ class EngineClient:
         return [self._replicas[url] for url in ranked]
 
     def _mark_down(self, replica: Replica, reason: str) -> None:
-        replica.consecutive_failures += 1
         if replica.healthy:
             logger.warning("engine %s marked down: %s", replica.url, reason)
         replica.healthy = False
@@ -345,7 +341,8 @@ class EngineClient:
     ) -> AsyncIterator[StreamEvent]:
         """Yields one `StreamStart`, then `GenerationDelta`s as the engine samples. Failures
         before the first chunk move to the next replica; after it they raise `EngineError`.
-        Closing the iterator early closes the connection, which makes vLLM abort the request."""
+        Closing the iterator early (`async with contextlib.aclosing(client.stream(...))`)
+        closes the connection, which makes vLLM abort the request."""
         call = _Call(session_id, prompt_ids, sampling, reasoning_ended, stream=True)
         last_error: EngineError | None = None
         for replica in self.order_for(session_id):
@@ -612,6 +609,7 @@ __all__ = [
     "EngineError",
     "Generation",
     "GenerationDelta",
+    "Protocol",
     "Replica",
     "StreamEvent",
     "StreamStart",

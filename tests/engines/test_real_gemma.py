@@ -30,12 +30,12 @@ async def client(gemma_engine: RunningEngine) -> AsyncIterator[EngineClient]:
 async def test_greedy_completion_is_real_language(
     client: EngineClient, tokenizer: Tokenizer
 ) -> None:
-    prompt = tokenizer.encode("The capital of France is").ids
+    prompt = tokenizer.encode("1, 2, 3, 4, 5,").ids
     assert prompt[0] == tokenizer.token_to_id("<bos>")
 
     generation = await client.generate("gemma", prompt, GREEDY)
     [choice] = generation.choices
-    assert "Paris" in tokenizer.decode(choice.token_ids)
+    assert tokenizer.decode(choice.token_ids).startswith(" 6, 7, 8, 9,")
     assert generation.prompt_ids == prompt
 
     streamed: list[int] = []
@@ -48,9 +48,9 @@ async def test_greedy_completion_is_real_language(
 async def test_stop_string_is_named_in_stop_reason(
     client: EngineClient, tokenizer: Tokenizer
 ) -> None:
-    prompt = tokenizer.encode("Paris is the capital of").ids
+    prompt = tokenizer.encode("The Eiffel Tower is located in the city of").ids
     generation = await client.generate("gemma", prompt, {**GREEDY, "max_tokens": 40, "stop": ["."]})
     [choice] = generation.choices
     assert (choice.finish_reason, choice.stop_reason) == ("stop", ".")
     # token_ids keep every sampled token, the one carrying the stop string included.
-    assert "." in tokenizer.decode(choice.token_ids[-1:])
+    assert tokenizer.decode(choice.token_ids) == " Paris, France."
