@@ -63,6 +63,7 @@ def segments(path: list[TurnRecord]) -> list[dict[str, Any]]:
                 "finish_reason": turn.finish_reason,
                 "stop_reason": turn.stop_reason,
             }
+            | ({"volatile": turn.extra["volatile"]} if "volatile" in turn.extra else {})
         )
     return out
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -47,8 +47,8 @@ class Metrics:
             "Engine-reported prompts that differed from the spliced prompt.",
             registry=r,
         )
-        self.engine_replicas_healthy = Gauge(
-            "tokenkeep_engine_replicas_healthy",
-            "Engine replicas passing health checks.",
+        self.normalized_requests = Counter(
+            "tokenkeep_normalized_requests",
+            "Requests in which session normalisation rules ignored volatile text.",
             registry=r,
         )

@@ -91,6 +91,8 @@ class Plan:
     sampling: dict[str, Any]
     splice_seconds: float
     timings: dict[str, float] = field(default_factory=dict)
+    volatile: list[str] = field(default_factory=list)
+    """Text the session's normalisation rules ignored in this request (recorded)."""
 
 
 @dataclass(slots=True)
@@ -213,6 +215,8 @@ class TurnService:
         after_lookup = time.perf_counter()
         plan = await self._classify(meta, conversation, keys, found, rules is not None)
         plan.timings["lookup"] = after_lookup - looked
+        if rules:
+            plan.volatile = volatile_parts(conversation, rules)
         plan.splice_seconds = time.perf_counter() - started
         if conversation.required_prefix_token_ids is not None:
             prefix = conversation.required_prefix_token_ids
@@ -626,7 +630,8 @@ class TurnService:
                     n_messages=plan.n_messages,
                     api=conversation.api,
                     extra={"splice_ms": round(plan.splice_seconds * 1000, 3)}
-                    | ({"reply_key": reply_key} if reply_key else {}),
+                    | ({"reply_key": reply_key} if reply_key else {})
+                    | ({"volatile": plan.volatile} if plan.volatile else {}),
                 )
             )
         try:
@@ -635,6 +640,8 @@ class TurnService:
             self._sessions.pop(plan.session.session_id, None)
             raise
         self.metrics.turns.labels(kind=plan.kind).inc(len(records))
+        if plan.volatile:
+            self.metrics.normalized_requests.inc()
         if plan.break_reason and plan.kind in ("rewrite",):
             self.metrics.segment_breaks.labels(reason=plan.break_reason).inc()
         self.metrics.splice_seconds.observe(plan.splice_seconds)
@@ -671,6 +678,20 @@ class _Sampled:
     stop_reason: int | str | None
     message: Message
     api_finish: str
+
+
+def volatile_parts(conversation: Conversation, rules: list[re.Pattern[str]]) -> list[str]:
+    """What normalisation ignored, so the difference is on record (a few, truncated)."""
+    found: list[str] = []
+    for message in conversation.messages:
+        for rule in rules:
+            for match in rule.finditer(message.content or ""):
+                part = match.group(0)[:200]
+                if part not in found:
+                    found.append(part)
+                if len(found) >= 8:
+                    return found
+    return found
 
 
 def token_key(tokens: list[int]) -> str:

@@ -82,3 +82,7 @@ async def test_rule_keeps_one_trajectory_and_the_first_line(double: EngineDouble
         last_prompt = qwen3().decode(stack.engine_requests()[-1].prompt_ids)
         assert billing(0) in last_prompt
         assert billing(1) not in last_prompt and billing(2) not in last_prompt
+        # what was ignored is on record, turn by turn
+        assert [t.get("volatile") for t in segment["turns"]] == [
+            [billing(i)] for i in range(3)
+        ]
