@@ -69,28 +69,28 @@ async def _grow(
         args = f'{{"path": "src/module_{turn}.py"}}'
         call_text = f'<tool_call>\n{{"name": "read_file", "arguments": {args}}}\n</tool_call>'
         completion = [*model.encode(call_text), model.stop_token_ids[0]]
-        reply = model.parse(completion, "stop", plan.prompt_ids, TOOLS)
-        await service._record(
-            plan,
-            conversation,
-            [
-                _Sampled(
-                    0,
-                    completion,
-                    [-0.1] * len(completion),
-                    "stop",
-                    None,
-                    reply.message,
-                    reply.finish_reason,
-                )
-            ],
-        )
+        await _store_turn(service, model, plan, conversation, completion)
         call = ToolCall(f"call_{turn}", "read_file", args)
         messages += [
             Message("assistant", "", tool_calls=[call]),
             Message("tool", _tool_output(model, turn, 1000), tool_call_id=call.id),
         ]
         turn += 1
+
+
+async def _store_turn(
+    service: TurnService,
+    model: ChatModel,
+    plan: Any,
+    conversation: Conversation,
+    completion: list[int],
+) -> None:
+    """What the service does after generation: parse the sampled tokens, store the turn."""
+    reply = model.parse(completion, "stop", plan.prompt_ids, TOOLS)
+    sampled = _Sampled(
+        0, completion, [-0.1] * len(completion), "stop", None, reply.message, reply.finish_reason
+    )
+    await service._record(plan, conversation, [sampled])
 
 
 def _percentiles(samples: list[float]) -> tuple[float, float]:
@@ -124,22 +124,7 @@ async def _measure(
             replica, _Call(session_id, plan.prompt_ids, plan.sampling, None, False)
         )
         encode_body(body)
-        reply = model.parse(completion, "stop", plan.prompt_ids, TOOLS)
-        await service._record(
-            plan,
-            conversation,
-            [
-                _Sampled(
-                    0,
-                    completion,
-                    [-0.1] * len(completion),
-                    "stop",
-                    None,
-                    reply.message,
-                    reply.finish_reason,
-                )
-            ],
-        )
+        await _store_turn(service, model, plan, conversation, completion)
         overhead.append(time.perf_counter() - started)
         assert plan.kind in ("extend", "fork"), plan.kind
         history_tokens = len(plan.prompt_ids)
@@ -196,8 +181,11 @@ async def main(out: Path) -> None:
                 for new_tokens in NEW_MESSAGE_TOKENS:
                     store = make_store()
                     service = TurnService(
-                        store, EngineClient(["http://127.0.0.1:9"], model="bench"), model,
-                        ServiceConfig(model_name="bench", context_length=131072), Metrics(),
+                        store,
+                        EngineClient(["http://127.0.0.1:9"], model="bench"),
+                        model,
+                        ServiceConfig(model_name="bench", context_length=131072),
+                        Metrics(),
                     )
                     print(f"{store_name} {size} (+{new_tokens})...", flush=True)
                     measured = await _measure(

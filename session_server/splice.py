@@ -240,7 +240,6 @@ def sampled_arguments(raw: str, parsed: Any) -> str:
     return json.dumps(parsed, ensure_ascii=False)
 
 
-
 def _prove(prompt_ids: list[int], completion_ids: list[int], rendered: Any) -> list[int] | None:
     """The bridge's new tokens, if it kept every stored token in place; else None."""
     tokens = rendered.token_ids

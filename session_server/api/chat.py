@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from session_server.api.errors import classify, error_body
+from session_server.api.params import explicit_sampling
 from session_server.api.session_ids import check_session_id, session_id_from_headers
 from session_server.api.sse import DONE, data_line, first_then_rest, sse_response
 from session_server.conversation import Conversation, ConversationError, Message, Tool, ToolCall
@@ -147,25 +148,7 @@ def to_conversation(body: ChatCompletionRequest) -> Conversation:
                 generation_token_ids=m.generation_token_ids,
             )
         )
-    sampling: dict[str, Any] = {}
-    for key in (
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "seed",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-    ):
-        value = getattr(body, key)
-        if value is not None:
-            sampling[key] = value
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    if max_tokens is not None:
-        sampling["max_tokens"] = max_tokens
-    if body.stop:
-        sampling["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop)
+    sampling = explicit_sampling(body, body.max_completion_tokens or body.max_tokens)
     return Conversation(
         messages=messages,
         tools=[

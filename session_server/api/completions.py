@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from session_server.api.errors import classify, error_body
+from session_server.api.params import explicit_sampling
 from session_server.api.session_ids import check_session_id, session_id_from_headers
 from session_server.api.sse import DONE, data_line, first_then_rest, sse_response
 from session_server.conversation import Conversation, ConversationError
@@ -78,23 +79,7 @@ def prompt_ids(body: CompletionRequest, model: Any) -> list[int]:
 def to_conversation(body: CompletionRequest) -> Conversation:
     if body.echo:
         raise ConversationError("echo is not supported", param="echo")
-    sampling: dict[str, Any] = {}
-    for key in (
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "seed",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-        "max_tokens",
-    ):
-        value = getattr(body, key)
-        if value is not None:
-            sampling[key] = value
-    if body.stop:
-        sampling["stop"] = [body.stop] if isinstance(body.stop, str) else list(body.stop)
+    sampling = explicit_sampling(body, body.max_tokens)
     return Conversation(
         messages=[],
         sampling=sampling,

@@ -1,0 +1,30 @@
+"""Sampling parameters that OpenAI-style request bodies share, under vLLM's names."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel
+
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+
+
+def explicit_sampling(body: BaseModel, max_tokens: int | None) -> dict[str, Any]:
+    """The sampling parameters the client set (unset ones are left to the core's merge)."""
+    sampling = {key: getattr(body, key) for key in _SAMPLING_FIELDS}
+    sampling = {key: value for key, value in sampling.items() if value is not None}
+    if max_tokens is not None:
+        sampling["max_tokens"] = max_tokens
+    stop = getattr(body, "stop", None)
+    if stop:
+        sampling["stop"] = [stop] if isinstance(stop, str) else list(stop)
+    return sampling
