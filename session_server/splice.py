@@ -32,6 +32,7 @@ from session_server.conversation import Message, Tool, ToolCall, canonical_text
 log = logging.getLogger(__name__)
 
 GENERIC = "generic"
+BRIDGE_CONTEXT_TOKENS = 512
 # Renderer families tokenkeep recognises from the tokenizer itself (its special tokens and
 # template), because `renderers` only picks a hand-coded renderer on an exact model name.
 _FAMILY_CONFIGS: dict[str, Any] = {
@@ -137,13 +138,17 @@ class ChatModel:
                 prompt_ids, completion_ids, finish_reason, history, new_messages, tools
             )
         else:
+            # The family bridges read only the end of the prompt (is a reasoning block still
+            # open?) and copy and return whatever they are given: a tail keeps the per-turn
+            # cost flat in the history. The stored tokens themselves are never touched.
+            tail = prompt_ids[-BRIDGE_CONTEXT_TOKENS:]
             rendered = self.renderer.bridge_to_next_turn(
-                prompt_ids,
+                tail,
                 completion_ids,
                 to_renderer_messages(new_messages),
                 tools=to_renderer_tools(tools),
             )
-            delta = None if rendered is None else _prove(prompt_ids, completion_ids, rendered)
+            delta = None if rendered is None else _prove(tail, completion_ids, rendered)
         if delta is None:
             return Bridge(None, "bridge_unproven")
         return Bridge(delta)
