@@ -56,6 +56,7 @@ from session_server.splice import ChatModel
 from session_server.store.base import (
     LookupResult,
     RecordCache,
+    SessionExists,
     SessionMeta,
     SessionNotFound,
     SessionStore,
@@ -90,7 +91,6 @@ class Plan:
     n_messages: int
     sampling: dict[str, Any]
     splice_seconds: float
-    timings: dict[str, float] = field(default_factory=dict)
     volatile: list[str] = field(default_factory=list)
     """Text the session's normalisation rules ignored in this request (recorded)."""
 
@@ -152,8 +152,6 @@ class TurnService:
         metadata: dict[str, Any] | None = None,
         normalization: list[dict[str, Any]] | None = None,
     ) -> SessionMeta:
-        from session_server.store.base import SessionExists
-
         if normalization:
             compile_rules(normalization)  # reject bad patterns before anything is stored
         meta = SessionMeta(
@@ -201,7 +199,6 @@ class TurnService:
         started = time.perf_counter()
         meta = await self.session(session_id)
         rules = compile_rules(meta.normalization) if meta.normalization else None
-        looked = time.perf_counter()
         if conversation.previous_response_id:
             found, keys = await self._continue_response(session_id, conversation, rules)
         else:
@@ -212,9 +209,7 @@ class TurnService:
                 keys.input_key,
                 known=self._record_cache(session_id),
             )
-        after_lookup = time.perf_counter()
-        plan = await self._classify(meta, conversation, keys, found, rules is not None)
-        plan.timings["lookup"] = after_lookup - looked
+        plan = await self._classify(meta, conversation, keys, found)
         if rules:
             plan.volatile = volatile_parts(conversation, rules)
         plan.splice_seconds = time.perf_counter() - started
@@ -333,7 +328,6 @@ class TurnService:
         conversation: Conversation,
         keys: Lineage,
         found: LookupResult,
-        normalized: bool,
     ) -> Plan:
         messages = conversation.messages
         if found.retry_of is not None:
