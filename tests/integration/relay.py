@@ -13,7 +13,9 @@ For requests that carry `structured_outputs` and no `reasoning_ended`, the relay
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -85,9 +87,13 @@ class Relay:
             media = upstream.headers.get("content-type", "application/json")
             return StreamingResponse(relay_body(), upstream.status_code, media_type=media)
 
+        @contextlib.asynccontextmanager
+        async def lifespan(_app: Starlette) -> AsyncIterator[None]:
+            yield
+            await client.aclose()
+
         return Starlette(
-            routes=[Route("/{path:path}", forward, methods=["GET", "POST"])],
-            on_shutdown=[client.aclose],
+            routes=[Route("/{path:path}", forward, methods=["GET", "POST"])], lifespan=lifespan
         )
 
 
