@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 # standard library module `operator`.
 export PYTHONSAFEPATH := 1
 
-.PHONY: demo test lint venv
+.PHONY: demo test test-integration engine lint venv
 
 $(STAMP): pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,9 +21,17 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/tokenkeep demo
 
-test: $(STAMP)
+# The real vLLM CPU engine for the `vllm` tier: installed here, not inside a pytest fixture,
+# so the first (several-minute) install shows its progress. Cached; TOKENKEEP_SKIP_VLLM=1 skips.
+engine: $(STAMP)
+	@if [ "$${TOKENKEEP_SKIP_VLLM:-0}" != 1 ]; then $(VENV)/bin/tokenkeep engine build-model; fi
+
+test: $(STAMP) engine
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -ra
+
+test-integration: $(STAMP) engine
+	$(PY) -m pytest -q -ra tests/integration
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

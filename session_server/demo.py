@@ -1,0 +1,272 @@
+"""`tokenkeep demo`: the whole local stack in one command, and a tool-using session through it.
+
+It sets up (once; cached) and starts a real vLLM on this machine's CPU serving a tiny
+random-weights model with the real Qwen3 tokenizer and chat template, starts the session
+server in front of it (embedded store, or Redis with `--redis-url`), then plays a harness with
+the official OpenAI SDK at a session URL: tool calls, tool results, answers. It prints what
+was kept (turns, tokens, segments, breaks), writes the trajectory a trainer would read, and
+says how to point another harness at a session.
+
+A random-weights model never calls a tool by itself, so each request carries a vLLM
+structured-output grammar that makes the engine sample a reasoning block and a hermes
+`<tool_call>` (the special tokens by ID, so they are the model's own single tokens). The
+text inside is still random sub-word soup: exactly what re-rendering a history breaks on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import sys
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from session_server import localengine
+
+CITIES = ("Paris", "Tokyo", "Lima")
+TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Current weather for a city.",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "enum": list(CITIES)}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+# Under the qwen3 reasoning parser vLLM applies a grammar only once reasoning has ended, which
+# a random model never signals; the session server does not pass `reasoning_ended` per request
+# yet, so the demo's engine applies structured outputs from the first token.
+ENGINE_ARGS = ("--structured-outputs-config", json.dumps({"enable_in_reasoning": True}))
+# The harness's plan: (a new user message, the city the model is made to ask about, or None
+# for a plain answer).
+SCRIPT: tuple[tuple[str | None, str | None], ...] = (
+    (None, "Paris"),
+    (None, "Tokyo"),
+    (None, None),
+    ("And in Lima?", "Lima"),
+    (None, None),
+)
+WORDS = r"/[a-z]{2,9}( [a-z]{2,9}){1,5}/"
+
+
+def _token(vocab: dict[str, int], name: str) -> str:
+    return f"<[{vocab[name]}]>"
+
+
+def reasoning_then(vocab: dict[str, int], rest: str) -> str:
+    """A llguidance Lark grammar: `<think>` words `</think>`, then `rest` (Lark)."""
+    think, end_think = _token(vocab, "<think>"), _token(vocab, "</think>")
+    return f'start: {think} "\\n" {WORDS} "\\n" {end_think} "\\n\\n" {rest}\n'
+
+
+def tool_call_grammar(vocab: dict[str, int], name: str, arguments: dict[str, Sequence[str]]) -> str:
+    """Reasoning, then one hermes tool call of `name`, each argument one of the given strings.
+    The JSON is written the way Qwen3's template writes it (`", "` and `": "`)."""
+    fields = ' ", " '.join(
+        f'"\\"{key}\\": \\"" ({" | ".join(json.dumps(v) for v in values)}) "\\""'
+        for key, values in arguments.items()
+    )
+    call = f'"\\n{{\\"name\\": \\"{name}\\", \\"arguments\\": {{" {fields} "}}}}\\n"'
+    rest = f"{_token(vocab, '<tool_call>')} {call} {_token(vocab, '</tool_call>')}"
+    return reasoning_then(vocab, rest)
+
+
+def answer_grammar(vocab: dict[str, int]) -> str:
+    """Reasoning, then a few words of answer."""
+    return reasoning_then(vocab, WORDS)
+
+
+def weather(city: str) -> str:
+    """The demo's tool: deterministic, so the transcript is reproducible."""
+    temperature = 5 + sum(map(ord, city)) % 25
+    return json.dumps({"city": city, "temperature_c": temperature, "sky": "clear"})
+
+
+def _progress(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+@contextmanager
+def _session_server(
+    engine: localengine.LocalEngine, redis_url: str | None, port: int
+) -> Iterator[str]:
+    """The session server on a loopback port, in a thread of this process."""
+    import uvicorn
+
+    from session_server.app import create_app
+    from session_server.settings import Settings
+
+    settings = Settings(
+        engine_urls=[engine.url],
+        model=engine.served_model_name,
+        tokenizer=str(engine.model_dir),
+        context_length=engine.max_model_len,
+        redis_url=redis_url,
+    )
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", port))
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(settings), log_level="warning", access_log=False)
+    )
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the session server did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        sock.close()
+
+
+def drive(base_url: str, model_dir: Path, *, seed: int | None = None) -> dict[str, Any]:
+    """Play a tool-using harness against a new session; returns the session's summary."""
+    import httpx
+    import openai
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(model_dir / "tokenizer.json")).get_vocab()
+    http = httpx.Client(base_url=base_url, timeout=120)
+    sampling = {"seed": seed} if seed is not None else {}
+    session = http.post("/sessions", json={"sampling": sampling}).json()
+    client = openai.OpenAI(base_url=session["openai_base_url"], api_key=session["api_key"])
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are a weather assistant. Use the tools."},
+        {"role": "user", "content": "What is the weather in Paris and in Tokyo?"},
+    ]
+    tool_calls = 0
+    for step, (user, city) in enumerate(SCRIPT):
+        if user:
+            messages.append({"role": "user", "content": user})
+        grammar = (
+            tool_call_grammar(vocab, "get_weather", {"city": [city]})
+            if city
+            else answer_grammar(vocab)
+        )
+        reply = client.chat.completions.create(
+            model=session["id"],
+            messages=messages,  # type: ignore[arg-type]
+            tools=TOOLS,  # type: ignore[arg-type]
+            max_tokens=128,
+            extra_body={"structured_outputs": {"grammar": grammar}, "reasoning_ended": True},
+        )
+        message = reply.choices[0].message
+        info = (reply.model_extra or {}).get("tokenkeep", {})
+        sent: dict[str, Any] = {"role": "assistant", "content": message.content}
+        reasoning = (message.model_extra or {}).get("reasoning_content")
+        if reasoning:
+            sent["reasoning_content"] = reasoning
+        shown = ""
+        if message.tool_calls:
+            sent["tool_calls"] = [c.model_dump() for c in message.tool_calls]
+            shown = ", ".join(
+                f"{c.function.name}({c.function.arguments})" for c in message.tool_calls
+            )
+        else:
+            shown = repr((message.content or "")[:60])
+        completion = len(reply.choices[0].model_extra.get("token_ids") or [])
+        print(
+            f"  turn {step + 1}: {info.get('kind', '?'):7} prompt {reply.usage.prompt_tokens:4d}"
+            f" + sampled {completion:3d} tokens -> {shown}"
+            if reply.usage
+            else f"  turn {step + 1}: {shown}",
+            flush=True,
+        )
+        messages.append(sent)
+        for call in message.tool_calls or ():
+            tool_calls += 1
+            city = json.loads(call.function.arguments).get("city", "")
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": weather(city)})
+    summary = http.get(f"/sessions/{session['id']}").json()
+    summary["tool_calls"] = tool_calls
+    summary["trajectory_jsonl"] = http.get(
+        f"/sessions/{session['id']}/trajectory", params={"format": "jsonl"}
+    ).text
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="tokenkeep demo",
+        description="Start vLLM (CPU) + the session server locally and run a tool-using session.",
+    )
+    parser.add_argument("--redis-url", help="keep sessions in this Redis (default: embedded)")
+    parser.add_argument("--port", type=int, default=0, help="session server port (default: any)")
+    parser.add_argument(
+        "--trajectory",
+        type=Path,
+        default=Path("tokenkeep-demo-trajectory.jsonl"),
+        help="where to write the session's trajectory (JSON lines, one per branch)",
+    )
+    parser.add_argument("--seed", type=int, help="sampling seed (default: random)")
+    parser.add_argument(
+        "--keep-running",
+        action="store_true",
+        help="leave the stack up afterwards for your own harness (Ctrl-C stops it)",
+    )
+    args = parser.parse_args(argv)
+    started = time.monotonic()
+    _progress("[demo] setting up the engine (first run: a few minutes; cached afterwards)")
+    try:
+        engine = localengine.start(extra_args=ENGINE_ARGS, progress=_progress)
+    except localengine.LocalEngineError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    try:
+        with _session_server(engine, args.redis_url, args.port) as url:
+            store = args.redis_url or "embedded store"
+            print(f"\nsession server {url} ({store}) -> vLLM {engine.url}", flush=True)
+            summary = drive(url, engine.model_dir, seed=args.seed)
+            args.trajectory.write_text(summary.pop("trajectory_jsonl"))
+            ok = _report(summary, args.trajectory, time.monotonic() - started)
+            if args.keep_running:
+                print("\nthe stack is up; Ctrl-C stops it", flush=True)
+                try:
+                    while True:
+                        time.sleep(3600)
+                except KeyboardInterrupt:
+                    pass
+    finally:
+        engine.stop()
+    return 0 if ok else 1
+
+
+def _report(summary: dict[str, Any], trajectory: Path, seconds: float) -> bool:
+    breaks = sum(summary["breaks"].values())
+    kinds = ", ".join(f"{kind} {count}" for kind, count in summary["turns_by_kind"].items())
+    model = localengine.served_name(localengine.TINY_MODEL_NAME)
+    lines = [
+        "",
+        f"session      {summary['openai_base_url']}",
+        f"turns        {summary['turns']} ({kinds}), {summary['tool_calls']} tool calls",
+        f"tokens       {summary['tokens']} ({summary['sampled_tokens']} sampled by the engine)",
+        f"segments     {summary['segments']}",
+        f"breaks       {breaks}" + (f" {json.dumps(summary['breaks'])}" if breaks else ""),
+        f"trajectory   {trajectory.resolve()}",
+        f"took         {seconds:.0f}s",
+        "",
+        "Point your own harness at a session (one base URL per conversation):",
+        "  tokenkeep engine start &          # vLLM on the CPU at http://127.0.0.1:8000",
+        f"  tokenkeep serve --port 8080 --engine-url http://127.0.0.1:8000 --model {model} \\",
+        f"      --tokenizer {localengine.model_dir()}",
+        "  curl -s -X POST localhost:8080/sessions   # -> openai_base_url, api_key",
+        '  OpenAI(base_url="<openai_base_url>", api_key="<api_key>")',
+        "or run `tokenkeep demo --keep-running` and use the session URL above.",
+    ]
+    print("\n".join(lines), flush=True)
+    return breaks == 0 and summary["segments"] == 1 and summary["tool_calls"] > 0
