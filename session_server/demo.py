@@ -43,10 +43,6 @@ TOOLS: list[dict[str, Any]] = [
         },
     }
 ]
-# Under the qwen3 reasoning parser vLLM applies a grammar only once reasoning has ended, which
-# a random model never signals; the session server does not pass `reasoning_ended` per request
-# yet, so the demo's engine applies structured outputs from the first token.
-ENGINE_ARGS = ("--structured-outputs-config", json.dumps({"enable_in_reasoning": True}))
 # The harness's plan: (a new user message, the city the model is made to ask about, or None
 # for a plain answer).
 SCRIPT: tuple[tuple[str | None, str | None], ...] = (
@@ -223,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     _progress("[demo] setting up the engine (first run: a few minutes; cached afterwards)")
     try:
-        engine = localengine.start(extra_args=ENGINE_ARGS, progress=_progress)
+        engine = localengine.start(progress=_progress)
     except localengine.LocalEngineError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

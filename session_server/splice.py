@@ -342,11 +342,9 @@ def _generation_config_eos(tokenizer: Any) -> list[int]:
 
 
 def to_renderer_tools(tools: list[Tool]) -> list[dict[str, Any]] | None:
-    if not tools:
-        return None
-    return [
-        {"name": t.name, "description": t.description, "parameters": t.parameters} for t in tools
-    ]
+    """Tools in the OpenAI shape the model's own chat template renders (Qwen3's `<tools>`
+    block shows `{"type": "function", "function": {...}}`, as vLLM's chat endpoint does)."""
+    return [t.as_openai() for t in tools] or None
 
 
 def to_renderer_messages(

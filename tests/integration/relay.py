@@ -3,12 +3,6 @@ itself reported back (the prompt token IDs it received, the tokens it sampled).
 
 The session server already refuses an engine report that differs from its prompt; this relay
 lets the tests check that independently, from the engine's side of the wire.
-
-Stop-gap (see the xfail test in test_real_stack.py): the session server does not yet pass
-vLLM's `reasoning_ended`, so under the qwen3 reasoning parser a structured-output constraint
-only starts after the model samples `</think>`, which the random-weights model never does.
-For requests that carry `structured_outputs` and no `reasoning_ended`, the relay adds
-`reasoning_ended: true` (vLLM's own request field), and records that it did.
 """
 
 from __future__ import annotations
@@ -34,7 +28,6 @@ class Exchange:
 
     sent_prompt: list[int]
     sampling: dict[str, Any]
-    reasoning_ended_added: bool
     reported_prompt: list[int] | None = None
     sampled: dict[int, list[int]] = field(default_factory=dict)
 
@@ -53,11 +46,7 @@ class Relay:
             if request.url.path == GENERATE_PATH:
                 payload = json.loads(body)
                 params = payload.get("sampling_params") or {}
-                add = bool(params.get("structured_outputs")) and "reasoning_ended" not in payload
-                if add:
-                    payload["reasoning_ended"] = True
-                    body = json.dumps(payload).encode()
-                exchange = Exchange(list(payload["token_ids"]), params, add)
+                exchange = Exchange(list(payload["token_ids"]), params)
                 self.exchanges.append(exchange)
             upstream = await client.send(
                 client.build_request(
