@@ -379,9 +379,39 @@ class TurnService:
                 )
             return self._rewrite(meta, conversation, keys, parent.turn_id, bridge.refusal)
         if found.turn_count == 0:
-            prompt = self.model.render_prompt(messages, conversation.tools)
+            prompt = self._fresh_prompt(conversation)
             return self._plan(meta, conversation, keys, prompt, None, True, prompt, "first", None)
         return self._rewrite(meta, conversation, keys, None, "history_mismatch")
+
+    def _fresh_prompt(self, conversation: Conversation) -> list[int]:
+        """A whole prompt for a request no stored turn continues. A token-aware client that
+        sent the tokens of its last assistant turn (`prompt_token_ids` +
+        `generation_token_ids`) keeps them: the later messages are bridged onto them, and
+        the result is proved like any splice. Otherwise the chat template renders it."""
+        messages = conversation.messages
+        for j in range(len(messages) - 1, -1, -1):
+            message = messages[j]
+            if message.role != "assistant":
+                continue
+            if message.prompt_token_ids and message.generation_token_ids:
+                bridge = self.model.bridge(
+                    message.prompt_token_ids,
+                    message.generation_token_ids,
+                    "length"
+                    if message.generation_token_ids[-1] not in self.model.stop_token_ids
+                    else "stop",
+                    messages[: j + 1],
+                    messages[j + 1 :],
+                    conversation.tools,
+                )
+                if bridge.delta is not None:
+                    return [
+                        *message.prompt_token_ids,
+                        *message.generation_token_ids,
+                        *bridge.delta,
+                    ]
+            break
+        return self.model.render_prompt(messages, conversation.tools)
 
     def _rewrite(
         self,
@@ -391,7 +421,7 @@ class TurnService:
         parent_id: int | None,
         reason: str | None,
     ) -> Plan:
-        prompt = self.model.render_prompt(conversation.messages, conversation.tools)
+        prompt = self._fresh_prompt(conversation)
         return self._plan(
             meta,
             conversation,

@@ -295,3 +295,28 @@ def test_client_hanging_up_mid_stream_stops_generation_and_stores_nothing(stack:
     assert stack.double.streams_ended == 1
     assert time.monotonic() - hung_up < 2, "the engine kept generating for a gone client"
     assert _summary(stack, "hangup")["turns"] == 0
+
+
+def test_token_aware_client_keeps_its_tokens_where_no_stored_turn_matches(stack: Stack) -> None:
+    """A client that resends the tokens of its last turn (as NeMo-RL style clients do) keeps
+    them even in a session that has never seen them (e.g. after the session expired)."""
+    prompt = stack.model.render_prompt([Message("user", USER[0]["content"])], [])
+    sampled = tokens(stack.model, "Sun", "ny", END)
+    _say(stack, "Warm")
+    reply = stack.openai("client-tokens").chat.completions.create(
+        model="m",
+        messages=[
+            *USER,
+            {
+                "role": "assistant",
+                "content": "Sunny",
+                "prompt_token_ids": prompt,
+                "generation_token_ids": sampled,
+            },
+            {"role": "user", "content": "And tomorrow?"},
+        ],
+    )
+    assert reply.model_extra["tokenkeep"]["kind"] == "first"
+    (sent,) = stack.prompts()
+    assert sent[: len(prompt) + len(sampled)] == prompt + sampled
+    assert stack.model.decode(sent[len(prompt) + len(sampled) :]).count("And tomorrow?") == 1
