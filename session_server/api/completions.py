@@ -15,10 +15,15 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
-from session_server.api.errors import classify, error_body
 from session_server.api.params import explicit_sampling
 from session_server.api.session_ids import check_session_id, session_id_from_headers
-from session_server.api.sse import DONE, data_line, first_then_rest, sse_response
+from session_server.api.sse import (
+    DONE,
+    data_line,
+    first_then_rest,
+    openai_error_line,
+    sse_response,
+)
 from session_server.conversation import Conversation, ConversationError
 from session_server.results import (
     ChoiceDelta,
@@ -230,13 +235,10 @@ async def _serve(session_id: str, body: CompletionRequest, request: Request) -> 
         return format_result(result, conversation, service.model)
     events = await first_then_rest(service.stream_tokens(session_id, ids, conversation))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-
-    def on_error(exc: Exception) -> bytes:
-        status, message, param, kind = classify(exc)
-        return data_line(error_body(request.url.path, status, message, param=param, type=kind))
-
     return sse_response(
-        _chunks(events, conversation, service.model, include_usage), on_error, upstream=events
+        _chunks(events, conversation, service.model, include_usage),
+        openai_error_line(request.url.path),
+        upstream=events,
     )
 
 

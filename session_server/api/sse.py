@@ -8,6 +8,7 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
+from session_server.api.errors import classify, error_body
 from session_server.results import StreamEvent
 
 DONE = b"data: [DONE]\n\n"
@@ -19,6 +20,15 @@ def data_line(payload: dict[str, Any]) -> bytes:
         + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
         + b"\n\n"
     )
+
+
+def openai_error_line(path: str) -> Callable[[Exception], bytes]:
+    """How OpenAI-style streams report a failure after the 200: one `data:` error line."""
+    def line(exc: Exception) -> bytes:
+        status, message, param, kind = classify(exc)
+        return data_line(error_body(path, status, message, param=param, type=kind))
+
+    return line
 
 
 def event_line(event: str, payload: dict[str, Any]) -> bytes:
