@@ -195,8 +195,28 @@ def tools_fingerprint(tools: list[Tool]) -> bytes:
     return "\x1e".join(canonical).encode("utf-8", "surrogatepass")
 
 
-def _chain(previous: bytes, fingerprint: bytes) -> bytes:
-    return hashlib.blake2b(previous + b"\x1d" + fingerprint, digest_size=12).digest()
+def message_digest(message: Message, rules: list[re.Pattern[str]] | None = None) -> bytes:
+    """A short hash of the message's fingerprint. Memoised (without rules): every request
+    resends the whole history, so a long session would otherwise canonicalise and hash the
+    same tool outputs once per message per turn."""
+    if rules:
+        return _hash(message_fingerprint(message, rules))
+    calls = tuple((c.name, c.arguments) for c in message.tool_calls)
+    return _memo_digest(message.role, message.content, calls)
+
+
+@functools.lru_cache(maxsize=8192)
+def _memo_digest(role: str, content: str, calls: tuple[tuple[str, str], ...]) -> bytes:
+    message = Message(role, content, tool_calls=[ToolCall("", n, a) for n, a in calls])  # type: ignore[arg-type]
+    return _hash(message_fingerprint(message))
+
+
+def _hash(data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=16).digest()
+
+
+def _chain(previous: bytes, digest: bytes) -> bytes:
+    return hashlib.blake2b(previous + digest, digest_size=12).digest()
 
 
 @dataclass(slots=True)
@@ -208,14 +228,15 @@ class Lineage:
     assistant_positions: list[int]
     """Indices j where messages[j] is an assistant message (where a stored turn can end)."""
     _last: bytes
+    _rules: list[re.Pattern[str]] | None = None
 
     @property
     def input_key(self) -> str:
         return "i:" + self._last.hex()
 
-    def reply_key(self, reply: Message, rules: list[re.Pattern[str]] | None = None) -> str:
+    def reply_key(self, reply: Message) -> str:
         """The key of this conversation continued by `reply`."""
-        return "r:" + _chain(self._last, message_fingerprint(reply, rules)).hex()
+        return "r:" + _chain(self._last, message_digest(reply, self._rules)).hex()
 
     def reply_keys_for_lookup(self) -> list[str]:
         """Keys of every prefix that ends at an assistant message, shallowest first."""
@@ -237,11 +258,11 @@ def lineage(
     keys: list[str] = []
     assistant_positions: list[int] = []
     for j, message in enumerate(conversation.messages):
-        state = _chain(state, message_fingerprint(message, rules))
+        state = _chain(state, message_digest(message, rules))
         keys.append(state.hex())
         if message.role == "assistant":
             assistant_positions.append(j)
-    return Lineage(keys=keys, assistant_positions=assistant_positions, _last=state)
+    return Lineage(keys=keys, assistant_positions=assistant_positions, _last=state, _rules=rules)
 
 
 def compile_rules(rules: list[dict[str, Any]]) -> list[re.Pattern[str]]:

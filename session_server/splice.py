@@ -139,8 +139,8 @@ class ChatModel:
             )
         else:
             # The family bridges read only the end of the prompt (is a reasoning block still
-            # open?) and copy and return whatever they are given: a tail keeps the per-turn
-            # cost flat in the history. The stored tokens themselves are never touched.
+            # open?) and copy and return whatever they are given: callers may pass just the
+            # last BRIDGE_CONTEXT_TOKENS, which keeps the per-turn cost flat in the history.
             tail = prompt_ids[-BRIDGE_CONTEXT_TOKENS:]
             rendered = self.renderer.bridge_to_next_turn(
                 tail,

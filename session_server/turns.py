@@ -52,7 +52,7 @@ from session_server.results import (
     TurnResult,
 )
 from session_server.sampling import build_sampling
-from session_server.splice import ChatModel
+from session_server.splice import BRIDGE_CONTEXT_TOKENS, ChatModel
 from session_server.store.base import (
     LookupResult,
     RecordCache,
@@ -356,8 +356,9 @@ class TurnService:
                 history = messages[: matched + 1]
                 new_messages = messages[matched + 1 :]
             stored = _tokens_through(found.parent_path)
+            prompt_end = len(stored) - len(parent.completion_ids)
             bridge = self.model.bridge(
-                stored[: len(stored) - len(parent.completion_ids)],
+                stored[max(0, prompt_end - BRIDGE_CONTEXT_TOKENS) : prompt_end],
                 parent.completion_ids,
                 parent.finish_reason,
                 history,

@@ -24,6 +24,7 @@ def data_line(payload: dict[str, Any]) -> bytes:
 
 def openai_error_line(path: str) -> Callable[[Exception], bytes]:
     """How OpenAI-style streams report a failure after the 200: one `data:` error line."""
+
     def line(exc: Exception) -> bytes:
         status, message, param, kind = classify(exc)
         return data_line(error_body(path, status, message, param=param, type=kind))
