@@ -27,7 +27,7 @@ import time
 import uuid
 from array import array
 from collections import OrderedDict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -196,6 +196,24 @@ class TurnService:
 
     async def plan(self, session_id: str, conversation: Conversation) -> Plan:
         validate(conversation)
+        return await self._fresh_session_retry(
+            session_id, lambda: self._plan_messages(session_id, conversation)
+        )
+
+    async def _fresh_session_retry(
+        self, session_id: str, attempt: Callable[[], Awaitable[Plan]]
+    ) -> Plan:
+        """Plan once more if the session expired or was deleted behind the cached metadata
+        (then it is created again, when sessions are created on first use)."""
+        try:
+            return await attempt()
+        except SessionNotFound:
+            if self._sessions.pop(session_id, None) is None:
+                raise
+            self._records.pop(session_id, None)
+            return await attempt()
+
+    async def _plan_messages(self, session_id: str, conversation: Conversation) -> Plan:
         started = time.perf_counter()
         meta = await self.session(session_id)
         rules = compile_rules(meta.normalization) if meta.normalization else None
@@ -239,6 +257,13 @@ class TurnService:
         bad = [t for t in prompt_ids if not 0 <= t < self.model.vocab_size]
         if bad:
             raise ConversationError(f"token ids out of vocabulary: {bad[:5]}", param="prompt")
+        return await self._fresh_session_retry(
+            session_id, lambda: self._plan_tokens(session_id, prompt_ids, conversation)
+        )
+
+    async def _plan_tokens(
+        self, session_id: str, prompt_ids: list[int], conversation: Conversation
+    ) -> Plan:
         started = time.perf_counter()
         meta = await self.session(session_id)
         cuts = token_cut_points(prompt_ids, set(self.model.stop_token_ids))

@@ -320,3 +320,15 @@ def test_token_aware_client_keeps_its_tokens_where_no_stored_turn_matches(stack:
     (sent,) = stack.prompts()
     assert sent[: len(prompt) + len(sampled)] == prompt + sampled
     assert stack.model.decode(sent[len(prompt) + len(sampled) :]).count("And tomorrow?") == 1
+
+
+def test_an_expired_session_starts_again_on_first_use(stack: Stack) -> None:
+    with stack.http() as http:
+        assert http.post("/sessions", json={"id": "brief", "ttl_seconds": 1}).status_code == 201
+    _say(stack, "One")
+    stack.openai("brief").chat.completions.create(model="m", messages=USER)
+    time.sleep(2.2)  # the store forgets it; this server still has its metadata cached
+    _say(stack, "Two")
+    again = stack.openai("brief").chat.completions.create(model="m", messages=USER)
+    assert again.model_extra["tokenkeep"]["kind"] == "first"
+    assert _summary(stack, "brief")["turns"] == 1
