@@ -20,9 +20,8 @@ from session_server.api.session_ids import check_session_id, session_id_from_hea
 from session_server.api.sse import (
     DONE,
     data_line,
-    first_then_rest,
     openai_error_line,
-    sse_response,
+    serve_turn,
 )
 from session_server.conversation import Conversation, ConversationError
 from session_server.results import (
@@ -225,20 +224,19 @@ async def _chunks(
 
 async def _serve(session_id: str, body: CompletionRequest, request: Request) -> Any:
     service = request.app.state.turns
-    request.state.session_id = session_id
-    request.state.api = "completions"
     conversation = to_conversation(body)
     ids = prompt_ids(body, service.model)
-    if not conversation.stream:
-        result = await service.complete_tokens(session_id, ids, conversation)
-        request.state.turn_kind = result.kind
-        return format_result(result, conversation, service.model)
-    events = await first_then_rest(service.stream_tokens(session_id, ids, conversation))
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    return sse_response(
-        _chunks(events, conversation, service.model, include_usage),
-        openai_error_line(request.url.path),
-        upstream=events,
+    return await serve_turn(
+        request,
+        session_id,
+        "completions",
+        streaming=conversation.stream,
+        complete=lambda: service.complete_tokens(session_id, ids, conversation),
+        stream=lambda: service.stream_tokens(session_id, ids, conversation),
+        reply=lambda result: format_result(result, conversation, service.model),
+        frames=lambda events: _chunks(events, conversation, service.model, include_usage),
+        on_error=openai_error_line(request.url.path),
     )
 
 

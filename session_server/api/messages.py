@@ -29,7 +29,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeI
 
 from session_server.api.errors import classify, error_body
 from session_server.api.session_ids import check_session_id, session_id_from_headers
-from session_server.api.sse import event_line, first_then_rest, sse_response
+from session_server.api.sse import event_line, serve_turn
 from session_server.conversation import Conversation, ConversationError, Message, Tool, ToolCall
 from session_server.results import (
     ChoiceDelta,
@@ -445,13 +445,6 @@ async def message_stream(events: AsyncIterator[StreamEvent]) -> AsyncIterator[by
 async def _serve(session_id: str, wire: MessagesRequest, request: Request) -> Any:
     conversation = conversation_from_request(wire)
     service = request.app.state.turns
-    request.state.session_id = session_id
-    request.state.api = "messages"
-    if not conversation.stream:
-        result = await service.complete(session_id, conversation)
-        request.state.turn_kind = result.kind
-        return message_response(result)
-    events = await first_then_rest(service.stream(session_id, conversation))
 
     def on_error(exc: Exception) -> bytes:
         # The status line is gone: Anthropic reports a failure mid-stream as an event.
@@ -460,7 +453,17 @@ async def _serve(session_id: str, wire: MessagesRequest, request: Request) -> An
             "error", error_body(request.url.path, status, message, param=param, type=kind)
         )
 
-    return sse_response(message_stream(events), on_error, upstream=events)
+    return await serve_turn(
+        request,
+        session_id,
+        "messages",
+        streaming=conversation.stream,
+        complete=lambda: service.complete(session_id, conversation),
+        stream=lambda: service.stream(session_id, conversation),
+        reply=message_response,
+        frames=message_stream,
+        on_error=on_error,
+    )
 
 
 async def _count_tokens(session_id: str, wire: CountTokensRequest, request: Request) -> Any:

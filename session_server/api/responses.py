@@ -37,7 +37,7 @@ from pydantic import (
 
 from session_server.api.errors import classify
 from session_server.api.session_ids import check_session_id, session_id_from_headers
-from session_server.api.sse import event_line, first_then_rest, sse_response
+from session_server.api.sse import event_line, serve_turn
 from session_server.conversation import Conversation, ConversationError, Message, Tool, ToolCall
 from session_server.results import (
     ChoiceDelta,
@@ -566,15 +566,18 @@ class ResponseStream:
 async def _serve(session_id: str, wire: ResponsesRequest, request: Request) -> Any:
     conversation = conversation_from_request(wire)
     service = request.app.state.turns
-    request.state.session_id = session_id
-    request.state.api = "responses"
-    if not conversation.stream:
-        result = await service.complete(session_id, conversation)
-        request.state.turn_kind = result.kind
-        return response_from_result(wire, result)
-    events = await first_then_rest(service.stream(session_id, conversation))
     stream = ResponseStream(wire)
-    return sse_response(stream.frames(events), stream.error, upstream=events)
+    return await serve_turn(
+        request,
+        session_id,
+        "responses",
+        streaming=conversation.stream,
+        complete=lambda: service.complete(session_id, conversation),
+        stream=lambda: service.stream(session_id, conversation),
+        reply=lambda result: response_from_result(wire, result),
+        frames=stream.frames,
+        on_error=stream.error,
+    )
 
 
 @router.post("/sessions/{session_id}/v1/responses")

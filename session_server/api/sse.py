@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from session_server.api.errors import classify, error_body
-from session_server.results import StreamEvent
+from session_server.results import StreamEvent, TurnResult
 
 DONE = b"data: [DONE]\n\n"
 
@@ -78,3 +79,27 @@ def sse_response(
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )
+
+
+async def serve_turn(
+    request: Request,
+    session_id: str,
+    api: str,
+    *,
+    streaming: bool,
+    complete: Callable[[], Awaitable[TurnResult]],
+    stream: Callable[[], AsyncIterator[StreamEvent]],
+    reply: Callable[[TurnResult], Any],
+    frames: Callable[[AsyncIterator[StreamEvent]], AsyncIterator[bytes]],
+    on_error: Callable[[Exception], bytes],
+) -> Any:
+    """What every front-end does with a parsed request: one turn, answered whole or streamed
+    in that API's frames; the request is labelled for the access log and metrics."""
+    request.state.session_id = session_id
+    request.state.api = api
+    if not streaming:
+        result = await complete()
+        request.state.turn_kind = result.kind
+        return reply(result)
+    events = await first_then_rest(stream())
+    return sse_response(frames(events), on_error, upstream=events)
