@@ -4,20 +4,19 @@
 
 FROM python:3.11-slim AS build
 WORKDIR /src
-COPY pyproject.toml setup.py README.md ./
+COPY pyproject.toml README.md ./
 COPY session_server ./session_server
 COPY operator ./operator
-# A wheel, not an editable install: the runtime image carries no source tree whose operator/
-# folder could shadow the standard library's `operator` module.
-RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+# The image installs the same wheel, with runtime dependencies only, that
+# tests/packaging/test_wheel.py builds, installs into a clean virtualenv and serves from.
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
 FROM python:3.11-slim
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
-    PYTHONSAFEPATH=1 \
     HF_HOME=/cache/huggingface
 COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels \
+RUN pip install --no-cache-dir /wheels/tokenkeep-*.whl && rm -rf /wheels \
     && groupadd --gid 10001 tokenkeep \
     && useradd --uid 10001 --gid 10001 --no-create-home --home-dir /nonexistent tokenkeep \
     && mkdir -p /cache && chown 10001:10001 /cache

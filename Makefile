@@ -3,13 +3,10 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-# `python -m` puts the working directory first on sys.path, where operator/ would shadow the
-# standard library module `operator`.
-export PYTHONSAFEPATH := 1
 
 .PHONY: demo test test-integration engine lint venv
 
-$(STAMP): pyproject.toml setup.py
+$(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'

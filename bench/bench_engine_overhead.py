@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.append(str(ROOT))  # appended, not prepended: the repo's operator/ must not shadow stdlib
+sys.path.append(str(ROOT))
 
 from session_server.engines import EngineClient, rendezvous_order  # noqa: E402
 

@@ -34,8 +34,7 @@ from session_server.store.redis import RedisStore
 from session_server.tokenizer import load_tokenizer
 from session_server.turns import ServiceConfig, TurnService, _Sampled
 
-# tests/ helpers, shared rather than copied. Appended, not prepended: the repo root holds
-# operator/, which must not shadow the standard library's `operator`.
+# tests/ helpers, shared rather than copied.
 sys.path.append(str(Path(__file__).resolve().parents[1]))
 from tests.real_tokenizers import qwen3_dir
 from tests.redis_server import start_redis_server, stop_redis_server

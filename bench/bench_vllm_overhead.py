@@ -65,7 +65,6 @@ def _start_tokenkeep(
             "--log-level",
             "warning",
         ],
-        env={**os.environ, "PYTHONSAFEPATH": "1"},
     )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

