@@ -12,7 +12,16 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 
 from session_server import __version__
-from session_server.api import chat, completions, errors, health, messages, responses, sessions
+from session_server.api import (
+    chat,
+    completions,
+    errors,
+    health,
+    messages,
+    responses,
+    sessions,
+    viewer,
+)
 from session_server.api.session_ids import bearer_token
 from session_server.engines import EngineClient
 from session_server.metrics import Metrics
@@ -82,7 +91,7 @@ def create_app(settings: Settings, service: TurnService | None = None) -> FastAP
     app.state.turns = service
     app.state.settings = settings
     errors.install(app)
-    for module in (chat, messages, responses, completions, sessions, health):
+    for module in (chat, messages, responses, completions, sessions, health, viewer):
         app.include_router(module.router)
 
     @app.middleware("http")

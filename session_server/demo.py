@@ -190,6 +190,7 @@ def drive(base_url: str, model_dir: Path, *, seed: int | None = None) -> dict[st
             messages.append({"role": "tool", "tool_call_id": call.id, "content": weather(city)})
     summary = http.get(f"/sessions/{session['id']}").json()
     summary["tool_calls"] = tool_calls
+    summary["viewer_url"] = f"{base_url}/ui/sessions/{session['id']}"
     summary["trajectory_jsonl"] = http.get(
         f"/sessions/{session['id']}/trajectory", params={"format": "jsonl"}
     ).text
@@ -254,6 +255,7 @@ def _report(summary: dict[str, Any], trajectory: Path, seconds: float) -> bool:
         f"segments     {summary['segments']}",
         f"breaks       {breaks}" + (f" {json.dumps(summary['breaks'])}" if breaks else ""),
         f"trajectory   {trajectory.resolve()}",
+        f"viewer       {summary['viewer_url']}",
         f"took         {seconds:.0f}s",
         "",
         "Point your own harness at a session (one base URL per conversation):",

@@ -30,6 +30,12 @@ class FastTokenizer:
         self.all_special_ids: list[int] = list(hf_tokenizer.all_special_ids)
         self.added_tokens_decoder = hf_tokenizer.added_tokens_decoder
         self._vocab: dict[str, int] = hf_tokenizer.get_vocab()
+        self.special_token_ids: frozenset[int] = frozenset(self.all_special_ids) | {
+            token_id
+            for token_id, token in self.added_tokens_decoder.items()
+            if getattr(token, "special", False)
+        }
+        self._pieces: dict[int, str] = {}
 
     def encode(
         self, text: str, *args: Any, add_special_tokens: bool = False, **kwargs: Any
@@ -40,6 +46,16 @@ class FastTokenizer:
         self, token_ids: Any, *args: Any, skip_special_tokens: bool = False, **kwargs: Any
     ) -> str:
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    def pieces(self, token_ids: list[int]) -> list[str]:
+        """Each token decoded on its own (what a viewer shows at each position). A token that
+        holds part of a multi-byte character decodes to U+FFFD on its own."""
+        memo = self._pieces
+        missing = list({t for t in token_ids if t not in memo})
+        if missing:
+            decoded = self._backend.decode_batch([[t] for t in missing], skip_special_tokens=False)
+            memo.update(zip(missing, decoded, strict=True))
+        return [memo[t] for t in token_ids]
 
     def convert_tokens_to_ids(self, tokens: Any) -> Any:
         if isinstance(tokens, str):

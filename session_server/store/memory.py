@@ -221,6 +221,13 @@ class MemoryStore:
             tokens=session.tokens,
         )
 
+    async def list_sessions(self) -> list[tuple[SessionMeta, SessionCounters]]:
+        self._sweep(self._clock())
+        return [
+            (decode_meta(session.meta), await self.counters(sid))
+            for sid, session in self._sessions.items()
+        ]
+
     async def ping(self) -> bool:
         return True
 

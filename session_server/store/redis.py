@@ -215,16 +215,20 @@ class RedisStore:
         fields = await self._redis.hgetall(self.session_keys(session_id)[0])
         if not fields:
             raise SessionNotFound(session_id)
-        return SessionCounters(
-            turns=int(fields[b"turns"]),
-            segments=int(fields[b"segments"]),
-            breaks={
-                name[2:].decode(): int(count)
-                for name, count in fields.items()
-                if name.startswith(b"b:")
-            },
-            tokens=int(fields[b"tokens"]),
-        )
+        return _counters(fields)
+
+    async def list_sessions(self) -> list[tuple[SessionMeta, SessionCounters]]:
+        # SCAN, not an index: nothing is written per turn for browsing's sake, and on a
+        # Cluster the client scans every node.
+        pattern = f"{self._prefix}:{{*}}:meta"
+        keys = [key async for key in self._redis.scan_iter(match=pattern, count=1000)]
+        if not keys:
+            return []
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.hgetall(key)
+            rows = await pipe.execute()
+        return [(decode_meta(f[b"meta"]), _counters(f)) for f in rows if f and b"meta" in f]
 
     async def ping(self) -> bool:
         try:
@@ -234,3 +238,17 @@ class RedisStore:
 
     async def close(self) -> None:
         await self._redis.aclose()
+
+
+def _counters(fields: dict[bytes, bytes]) -> SessionCounters:
+    """The counters kept in a session's meta hash (see the module docstring)."""
+    return SessionCounters(
+        turns=int(fields[b"turns"]),
+        segments=int(fields[b"segments"]),
+        breaks={
+            name[2:].decode(): int(count)
+            for name, count in fields.items()
+            if name.startswith(b"b:")
+        },
+        tokens=int(fields[b"tokens"]),
+    )

@@ -194,6 +194,22 @@ async def test_counters(store: SessionStore) -> None:
     )
 
 
+async def test_list_sessions_gives_every_live_session_with_its_counters(
+    store: SessionStore,
+) -> None:
+    assert await store.list_sessions() == []
+    await store.create_session(meta("a"))
+    await store.create_session(meta("b", ttl_seconds=60))
+    await chain(store, "b", 2)
+    await store.create_session(meta("gone"))
+    await store.delete_session("gone")
+    listed = {m.session_id: (m, c) for m, c in await store.list_sessions()}
+    assert set(listed) == {"a", "b"}
+    assert listed["b"][0] == await store.get_session("b")
+    assert listed["b"][1] == await store.counters("b")
+    assert listed["a"][1] == SessionCounters(turns=0, segments=0, breaks={}, tokens=0)
+
+
 async def test_all_turns_in_id_order(store: SessionStore) -> None:
     await store.create_session(meta("s"))
     records = await chain(store, "s", 12)  # ids 10-12 sort after 9 only numerically

@@ -1,0 +1,154 @@
+"""`tokenkeep sessions list | show`: a running server's rollouts, in the terminal.
+
+`show` prints each segment of a branch token by token: on a terminal, sampled tokens (loss 1)
+in green, context (loss 0) dimmed, special tokens in magenta, with alternating shades so that
+token boundaries show; piped or redirected, plain text with every sampled run between «»
+markers. Each segment starts with its break reason. It reads the viewer's JSON
+(`/ui/api/...`), so it needs what the viewer needs (the admin key where one is configured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from datetime import datetime
+from typing import Any, TextIO
+
+import httpx
+
+_SAMPLED = ("\x1b[30;48;5;151m", "\x1b[30;48;5;114m")
+_CONTEXT = ("\x1b[2m", "\x1b[2;4m")
+_SPECIAL = "\x1b[35;1m"
+_REASON = "\x1b[33;1m"
+_RESET = "\x1b[0m"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenkeep sessions", description=__doc__)
+    parser.add_argument(
+        "--url",
+        default=os.environ.get("TOKENKEEP_URL", "http://127.0.0.1:8000"),
+        help="the session server (TOKENKEEP_URL; default http://127.0.0.1:8000)",
+    )
+    parser.add_argument(
+        "--admin-key",
+        default=os.environ.get("TOKENKEEP_ADMIN_KEY"),
+        help="admin key where the server requires one (TOKENKEEP_ADMIN_KEY)",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    listing = sub.add_parser("list", help="sessions, newest first")
+    listing.add_argument("--limit", type=int, default=50)
+    listing.add_argument("--offset", type=int, default=0)
+    listing.add_argument("--metadata", help="filter: key=value[,key=value]")
+    listing.add_argument("--json", action="store_true", help="print the JSON as received")
+    show = sub.add_parser("show", help="one session's tokens, segments and breaks")
+    show.add_argument("session_id")
+    show.add_argument("--branch", type=int, help="branch index (default: the newest)")
+    show.add_argument("--json", action="store_true", help="print the JSON as received")
+    return parser
+
+
+def _get(args: argparse.Namespace, path: str, params: dict[str, Any] | None = None) -> Any:
+    headers = {"Authorization": f"Bearer {args.admin_key}"} if args.admin_key else {}
+    response = httpx.get(args.url.rstrip("/") + path, params=params, headers=headers, timeout=60)
+    if response.status_code != 200:
+        try:
+            message = response.json()["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = response.text[:200]
+        raise SystemExit(f"tokenkeep sessions: HTTP {response.status_code}: {message}")
+    return response.json()
+
+
+def _breaks(breaks: dict[str, int]) -> str:
+    return ", ".join(f"{reason} x{n}" for reason, n in breaks.items()) or "none"
+
+
+def print_list(data: dict[str, Any], out: TextIO) -> None:
+    header = f"{'session':<36} {'created':<19} {'turns':>5} {'segs':>4} {'tokens':>8}  breaks"
+    print(header, file=out)
+    for s in data["sessions"]:
+        created = datetime.fromtimestamp(s["created_at"]).strftime("%Y-%m-%d %H:%M:%S")
+        print(
+            f"{s['id']:<36} {created:<19} {s['turns']:>5} {s['segments']:>4} "
+            f"{s['tokens']:>8}  {_breaks(s['breaks'])}",
+            file=out,
+        )
+    shown = len(data["sessions"])
+    print(f"{shown} of {data['total']} sessions (offset {data['offset']})", file=out)
+
+
+def _plain_segment(segment: dict[str, Any]) -> str:
+    parts: list[str] = []
+    sampled = False
+    for piece, mask in zip(segment["pieces"], segment["loss_mask"], strict=True):
+        if mask and not sampled:
+            parts.append("«")
+        elif not mask and sampled:
+            parts.append("»")
+        sampled = bool(mask)
+        parts.append(piece)
+    if sampled:
+        parts.append("»")
+    return "".join(parts)
+
+
+def _coloured_segment(segment: dict[str, Any]) -> str:
+    parts: list[str] = []
+    for i, (piece, mask, special) in enumerate(
+        zip(segment["pieces"], segment["loss_mask"], segment["special"], strict=True)
+    ):
+        style = _SPECIAL if special else (_SAMPLED if mask else _CONTEXT)[i % 2]
+        parts.append(f"{style}{piece}{_RESET}")
+    return "".join(parts)
+
+
+def print_session(data: dict[str, Any], branch_index: int | None, out: TextIO, tty: bool) -> None:
+    branches = data["branches"]
+    if not branches:
+        print(f"session {data['id']}: no turns yet", file=out)
+        return
+    index = len(branches) - 1 if branch_index is None else branch_index
+    if not 0 <= index < len(branches):
+        raise SystemExit(f"tokenkeep sessions: no branch {index} (0..{len(branches) - 1})")
+    branch = branches[index]
+    for segment in branch["segments"]:
+        reason = segment["start_reason"]
+        title = (
+            f"segment {segment['index'] + 1}: first"
+            if reason == "first"
+            else f"segment {segment['index'] + 1}: new segment, reason: {reason}"
+        )
+        line = f"── {title} ({len(segment['token_ids'])} tokens) ──"
+        print(f"{_REASON}{line}{_RESET}" if tty and reason != "first" else line, file=out)
+        print(_coloured_segment(segment) if tty else _plain_segment(segment), file=out)
+    sampled = sum(sum(s["loss_mask"]) for s in branch["segments"])
+    print(
+        f"session {data['id']} branch {index}/{len(branches) - 1}: {data['turns']} turns, "
+        f"{len(branch['segments'])} segments on this branch, {sampled} sampled tokens, "
+        f"breaks: {_breaks(data['breaks'])}",
+        file=out,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    out = sys.stdout
+    if args.command == "list":
+        params: dict[str, Any] = {"limit": args.limit, "offset": args.offset}
+        if args.metadata:
+            params["metadata"] = args.metadata
+        data = _get(args, "/ui/api/sessions", params)
+        if args.json:
+            print(json.dumps(data), file=out)
+        else:
+            print_list(data, out)
+        return 0
+    data = _get(args, f"/ui/api/sessions/{args.session_id}")
+    if args.json:
+        print(json.dumps(data), file=out)
+    else:
+        print_session(data, args.branch, out, tty=out.isatty())
+    return 0

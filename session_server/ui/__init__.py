@@ -1,0 +1,1 @@
+"""Static files of the rollout viewer (served by session_server.api.viewer)."""
