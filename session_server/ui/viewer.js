@@ -162,6 +162,25 @@ function colourFor(logprob) {
   return `hsl(${Math.round(120 * p)}, 70%, 82%)`;
 }
 
+const CHAR_PX = 7.9; // 13px monospace
+const TOKEN_PX = 5; // a token's border, padding and margin
+const LINE_PX = 24.7; // 13px x line-height 1.9
+
+function estimatedHeight(segment, start, end, width) {
+  let pixels = 0;
+  let lines = 1;
+  for (let i = start; i < end; i++) {
+    const piece = segment.pieces[i];
+    pixels += piece.length * CHAR_PX + TOKEN_PX;
+    const breaks = piece.split("\n").length - 1;
+    if (breaks) {
+      lines += breaks + Math.floor(pixels / width);
+      pixels = 0;
+    }
+  }
+  return Math.ceil((lines + pixels / width) * LINE_PX);
+}
+
 function renderBlock(container, segment, start, end, ctx) {
   const fragment = document.createDocumentFragment();
   for (let i = start; i < end; i++) {
@@ -178,6 +197,7 @@ function renderBlock(container, segment, start, end, ctx) {
     fragment.append(span);
   }
   container.replaceChildren(fragment);
+  container.style.height = "";
   container.classList.add("rendered");
 }
 
@@ -222,6 +242,8 @@ function describeToken(segment, position) {
 function drawBranch(view, branch, ctx) {
   const detail = el("div", { id: "detail", class: "detail" }, "Hover or select a token.");
   const segments = el("div", { class: "segments" });
+  view.replaceChildren(segments, detail);
+  ctx.width = Math.max(200, segments.clientWidth);
   const observer = new IntersectionObserver(
     (entries) => {
       for (const entry of entries) {
@@ -252,15 +274,18 @@ function drawBranch(view, branch, ctx) {
       el("span", { class: "reason", text: started }),
     );
     const body = el("div", { class: "tokens" });
+    segments.append(el("section", { class: "segment" }, header, body));
     for (let start = 0; start < segment.token_ids.length; start += BLOCK) {
       const end = Math.min(start + BLOCK, segment.token_ids.length);
-      const block = el("span", {
+      const block = el("div", {
         class: "block",
         "data-segment": segment.index,
         "data-start": start,
         "data-end": end,
       });
-      block.style.minHeight = "1em";
+      // Until it is drawn, a block takes about the room its tokens will: only the blocks
+      // near the screen are drawn, so a 128k-token session never lays out 128k spans at once.
+      block.style.height = estimatedHeight(segment, start, end, ctx.width) + "px";
       body.append(block);
       observer.observe(block);
     }
@@ -275,9 +300,7 @@ function drawBranch(view, branch, ctx) {
     };
     body.addEventListener("mouseover", show);
     body.addEventListener("click", show);
-    segments.append(el("section", { class: "segment" }, header, body));
   }
-  view.replaceChildren(segments, detail);
 }
 
 async function showSession(sessionId) {
