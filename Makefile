@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-integration engine lint venv
+.PHONY: demo test test-integration engine browser lint venv
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,7 +23,12 @@ demo: $(STAMP)
 engine: $(STAMP)
 	@if [ "$${TOKENKEEP_SKIP_VLLM:-0}" != 1 ]; then $(VENV)/bin/tokenkeep engine build-model; fi
 
-test: $(STAMP) engine
+# Debian's Chromium for the viewer's browser tests (tests/viewer/); nothing downloads a browser.
+browser:
+	@command -v chromium >/dev/null || { apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+
+test: $(STAMP) engine browser
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -ra
 
