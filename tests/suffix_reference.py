@@ -10,8 +10,9 @@ from the model's own chat template over the request as the harness sent it
   request that follows the stored assistant turn's end-of-turn token (the framing of every
   new message, then the generation prompt);
 - every new message's text is in them, in order;
-- one rule of tokenkeep's own, named and checked exactly: a turn cut by `max_tokens` has no
-  end-of-turn token, so tokenkeep adds the template's one first (context, outside the loss).
+- one rule of tokenkeep's own, named and checked exactly (`closing_rule`): a turn cut by
+  `max_tokens` has no end-of-turn token, so tokenkeep closes it first (context, outside the
+  loss): an open reasoning block with `</think>`, then the turn with its end-of-turn token.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 
 from session_server.splice import ChatModel
 
-TRUNCATED_TURN_IS_CLOSED = "a turn cut by max_tokens is closed with the end-of-turn token"
+TRUNCATED_TURN_IS_CLOSED = "a turn cut by max_tokens is closed (reasoning, then the turn)"
 
 
 def _as_template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -89,23 +90,39 @@ def _assert_carries(text: str, new_messages: list[dict[str, Any]]) -> None:
         position = found + len(needle)
 
 
+def closing_rule(model: ChatModel, sampled: list[int]) -> list[int]:
+    """The tokens tokenkeep itself adds after a turn cut by `max_tokens` (no end-of-turn
+    token was sampled): `</think>` if a reasoning block is still open, then the end-of-turn
+    token. Nothing after a turn that ended on its own."""
+    if not sampled or sampled[-1] in model.stop_token_ids:
+        return []
+    vocab = model.tokenizer.get_vocab()
+    think, think_end = vocab.get("<think>"), vocab.get("</think>")
+    closing: list[int] = []
+    if think is not None and think in sampled:
+        last_open = len(sampled) - 1 - sampled[::-1].index(think)
+        if think_end not in sampled[last_open:]:
+            closing.append(think_end)
+    assert model.close_token_id is not None
+    return [*closing, model.close_token_id]
+
+
 def assert_suffix(
     model: ChatModel,
     prompt: list[int],
     stored: list[int],
+    sampled: list[int],
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None = None,
-    *,
-    truncated: bool = False,
 ) -> None:
-    """`prompt` continues `stored` (prompt + sampled tokens of the turn the request's last
+    """`prompt` continues `stored` (prompt + `sampled` tokens of the turn the request's last
     assistant message is) with exactly the template's tail for the messages after it."""
     assert prompt[: len(stored)] == stored, "not contiguous with the stored turn"
+    assert stored[len(stored) - len(sampled) :] == sampled
     added = prompt[len(stored) :]
-    if truncated:
-        assert added[:1] == [model.close_token_id], TRUNCATED_TURN_IS_CLOSED
-        added = added[1:]
-    text = model.decode(added)
+    closing = closing_rule(model, sampled)
+    assert added[: len(closing)] == closing, TRUNCATED_TURN_IS_CLOSED
+    text = model.decode(added[len(closing) :])
     expected = expected_suffix_text(model, messages, tools)
     assert text == expected, f"added tokens {text!r} are not the template's tail {expected!r}"
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")

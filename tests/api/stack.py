@@ -136,14 +136,12 @@ class Stack:
             if conversation.previous_response_id:
                 assert_suffix_carries(model, plan.prompt_delta, messages)
                 continue
-            assert_suffix(
-                model,
-                plan.prompt_ids,
-                stored,
-                messages,
-                [t.as_openai() for t in conversation.tools] or None,
-                truncated=stored[-1] not in model.stop_token_ids,
+            sampled = max(
+                (c.token_ids for c in self.sent if stored[-len(c.token_ids) :] == c.token_ids),
+                key=len,
             )
+            tools = [t.as_openai() for t in conversation.tools] or None
+            assert_suffix(model, plan.prompt_ids, stored, sampled, messages, tools)
 
 
 @asynccontextmanager

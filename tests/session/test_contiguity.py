@@ -63,14 +63,7 @@ def run_two_turns(stack: Stack, scenario: Scenario, session_id: str) -> dict[str
 def test_next_prompt_extends_sampled_tokens(stack: Stack, scenario: Scenario) -> None:
     run = run_two_turns(stack, scenario, f"contig-{scenario.name}")
     stored = run["prompt1"] + run["sampled"]
-    assert_suffix(
-        stack.model,
-        run["prompt2"],
-        stored,
-        run["history"],
-        run["tools"],
-        truncated=scenario.finish_reason == "length",
-    )
+    assert_suffix(stack.model, run["prompt2"], stored, run["sampled"], run["history"], run["tools"])
     assert run["second"].model_extra["tokenkeep"]["kind"] == "extend"
     if scenario.naive_breaks:
         naive = naive_prompt(stack.model, run["history"], run["tools"])
