@@ -1,12 +1,31 @@
-"""Fixtures shared by every test package."""
+"""Fixtures shared by every test package, and the CI rule on skips."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import os
+from collections.abc import Generator, Iterator
 
 import pytest
 
 from tests.redis_server import start_redis_server, stop_redis_server
+
+
+def ci_forbids_skips() -> bool:
+    """CI runs every tier (`make test` installs what each needs), so there a skip means a
+    missing prerequisite, not a choice: `CI=true` turns every skip into a failure."""
+    return os.environ.get("CI", "").lower() in ("1", "true", "yes")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, None]:
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()  # type: ignore[attr-defined]
+    if report.skipped and not hasattr(report, "wasxfail") and ci_forbids_skips():
+        reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = f"skipped in CI, where every tier must run: {reason}"
 
 
 @pytest.fixture(scope="session")
