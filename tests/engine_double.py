@@ -150,6 +150,8 @@ class EngineDouble:
     """Pause after each streamed chunk (to let a test act while a stream is running)."""
     streams_ended: int = 0
     """Streams whose body finished or was abandoned by the client (vLLM aborts those)."""
+    streams_abandoned: int = 0
+    """Streams the client left before their last token (the engine stopped generating)."""
     report_prompt: Callable[[list[int]], list[int]] | None = None
     """Rewrites the prompt reported back to the client (the prompt generated from is not)."""
     requests: list[RecordedRequest] = field(default_factory=list)
@@ -184,12 +186,14 @@ class EngineDouble:
             self.healthy = True
             self.chunk_delay_s = 0.0
             self.streams_ended = 0
+            self.streams_abandoned = 0
             self.generate_endpoint = True
             self.report_prompt = None
 
-    def _stream_ended(self) -> None:
+    def _stream_ended(self, finished: bool) -> None:
         with self._lock:
             self.streams_ended += 1
+            self.streams_abandoned += not finished
 
     def paths(self) -> list[str]:
         with self._lock:
@@ -500,17 +504,19 @@ def _sse(
     lines: Iterator[str] | list[str],
     media_type: str,
     chunk_delay_s: float = 0.0,
-    on_close: Callable[[], None] | None = None,
+    on_close: Callable[[bool], None] | None = None,
 ) -> StreamingResponse:
     async def body() -> AsyncIterator[str]:
+        finished = False
         try:
             for line in lines:
                 yield line
                 await asyncio.sleep(chunk_delay_s)
             yield "data: [DONE]\n\n"
+            finished = True
         finally:
             if on_close is not None:
-                on_close()
+                on_close(finished)
 
     return StreamingResponse(body(), media_type=media_type)
 

@@ -280,8 +280,9 @@ def test_tokenize_and_detokenize_match_the_served_template(stack: Stack) -> None
 
 
 def test_client_hanging_up_mid_stream_stops_generation_and_stores_nothing(stack: Stack) -> None:
-    stack.double.script(ScriptedCompletion(tokens(stack.model, *(["tok"] * 200), END)))
-    stack.double.chunk_delay_s = 0.02  # the whole stream would take 4 s
+    # 2000 tokens at 20 ms each: the stream would run 40 s; the client leaves after one.
+    stack.double.script(ScriptedCompletion(tokens(stack.model, *(["tok"] * 2000), END)))
+    stack.double.chunk_delay_s = 0.02
     with (
         httpx.Client(base_url=stack.url, timeout=30) as http,
         http.stream(
@@ -289,11 +290,11 @@ def test_client_hanging_up_mid_stream_stops_generation_and_stores_nothing(stack:
         ) as response,
     ):
         assert next(line for line in response.iter_lines() if line.startswith("data:"))
-    hung_up = time.monotonic()
-    while stack.double.streams_ended == 0 and time.monotonic() - hung_up < 10:
+    deadline = time.monotonic() + 60  # a bound for a hung test, not a timing claim
+    while stack.double.streams_ended == 0 and time.monotonic() < deadline:
         time.sleep(0.02)
     assert stack.double.streams_ended == 1
-    assert time.monotonic() - hung_up < 2, "the engine kept generating for a gone client"
+    assert stack.double.streams_abandoned == 1, "the engine kept generating for a gone client"
     assert _summary(stack, "hangup")["turns"] == 0
 
 
