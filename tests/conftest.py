@@ -30,8 +30,9 @@ def pytest_runtest_makereport(
 
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """URL of a real redis-server started once for the test run. Tests share it: give each
-    test its own key prefix or session ids instead of flushing."""
+    """URL of a real redis-server started once for the test run. Tests share it: each test's
+    store gets its own key prefix (tests/session/conftest.py, tests/store/conftest.py), so
+    the suite passes in any order (`pytest -p random_order --random-order`)."""
     proc, url = start_redis_server(tmp_path_factory.mktemp("redis"))
     try:
         yield url

@@ -10,7 +10,7 @@ import openai
 
 from session_server.conversation import Message
 from tests.engine_double import ScriptedCompletion
-from tests.session.adversarial import END, TOOLS, reply_as_harness_sends, tokens
+from tests.session.adversarial import END, TOOLS, naive_prompt, reply_as_harness_sends, tokens
 from tests.session.conftest import Stack
 
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -268,11 +268,12 @@ def test_jsonl_export_and_delete(stack: Stack) -> None:
 
 def test_tokenize_and_detokenize_match_the_served_template(stack: Stack) -> None:
     with httpx.Client(base_url=stack.url) as http:
+        # The reference is the chat template itself (as vLLM's chat endpoint applies it),
+        # not the renderer the server uses.
         rendered = http.post("/tokenize", json={"messages": USER}).json()
-        assert rendered["tokens"] == stack.model.render_prompt(
-            [Message("user", USER[0]["content"])],
-            [],
-        )
+        assert rendered["tokens"] == naive_prompt(stack.model, USER, None)
+        with_tools = http.post("/tokenize", json={"messages": USER, "tools": TOOLS})
+        assert with_tools.json()["tokens"] == naive_prompt(stack.model, USER, TOOLS)
         text = http.post("/detokenize", json={"tokens": rendered["tokens"]}).json()["prompt"]
         assert text.endswith("<|im_start|>assistant\n")
         bad = http.post("/detokenize", json={"tokens": [10**9]})
