@@ -139,7 +139,9 @@ class Stack:
             sampled = max(
                 (c.token_ids for c in self.sent if stored[-len(c.token_ids) :] == c.token_ids),
                 key=len,
+                default=None,
             )
+            assert sampled is not None, "the stored turn ends with no scripted completion"
             tools = [t.as_openai() for t in conversation.tools] or None
             assert_suffix(model, plan.prompt_ids, stored, sampled, messages, tools)
 
