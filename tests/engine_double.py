@@ -21,6 +21,10 @@ applies `max_tokens` (and vLLM's silent cap at the context left) by truncating t
 `finish_reason="length"`, rejects out-of-vocabulary ids and over-long prompts with vLLM's 400
 messages (as a `data: {"error": ...}` line after a 200 when streaming, as vLLM does), and
 records every request in `double.requests`.
+
+Fault injection: `fail_next(...)` queues HTTP and stream failures; `report_prompt`, when set,
+rewrites the prompt the double reports back (`return_token_ids`), as an engine whose
+tokenizer or request handling changed the prompt would.
 """
 
 from __future__ import annotations
@@ -146,6 +150,10 @@ class EngineDouble:
     """Pause after each streamed chunk (to let a test act while a stream is running)."""
     streams_ended: int = 0
     """Streams whose body finished or was abandoned by the client (vLLM aborts those)."""
+    streams_abandoned: int = 0
+    """Streams the client left before their last token (the engine stopped generating)."""
+    report_prompt: Callable[[list[int]], list[int]] | None = None
+    """Rewrites the prompt reported back to the client (the prompt generated from is not)."""
     requests: list[RecordedRequest] = field(default_factory=list)
     port: int = 0
     _scripts: deque[Script] = field(default_factory=deque)
@@ -178,11 +186,14 @@ class EngineDouble:
             self.healthy = True
             self.chunk_delay_s = 0.0
             self.streams_ended = 0
+            self.streams_abandoned = 0
             self.generate_endpoint = True
+            self.report_prompt = None
 
-    def _stream_ended(self) -> None:
+    def _stream_ended(self, finished: bool) -> None:
         with self._lock:
             self.streams_ended += 1
+            self.streams_abandoned += not finished
 
     def paths(self) -> list[str]:
         with self._lock:
@@ -417,7 +428,7 @@ class EngineDouble:
             return JSONResponse(_error_body(str(exc), "InternalServerError", 500), status_code=500)
         request_id = _request_id("generate-tokens-")
         want_logprobs = sampling.get("logprobs") is not None
-        prompt_out = prompt if body.get("return_token_ids") else None
+        prompt_out = self._reported(prompt) if body.get("return_token_ids") else None
         if not stream:
             return JSONResponse(
                 _generate_response(
@@ -431,6 +442,9 @@ class EngineDouble:
             chunk_delay_s=self.chunk_delay_s,
             on_close=self._stream_ended,
         )
+
+    def _reported(self, prompt: list[int]) -> list[int]:
+        return prompt if self.report_prompt is None else self.report_prompt(list(prompt))
 
     # --- /v1/completions (token-ID prompt) ----------------------------------------------
 
@@ -455,11 +469,16 @@ class EngineDouble:
         if not body.get("stream"):
             return JSONResponse(
                 _completions_response(
-                    request_id, self.model, prompt, completions, want_logprobs, return_ids
+                    request_id,
+                    self.model,
+                    self._reported(prompt),
+                    completions,
+                    want_logprobs,
+                    return_ids,
                 )
             )
         chunks = _completions_chunks(
-            request_id, self.model, prompt, completions, want_logprobs, return_ids
+            request_id, self.model, self._reported(prompt), completions, want_logprobs, return_ids
         )
         return _sse(
             _with_fault(chunks, request.state.fault),
@@ -485,17 +504,19 @@ def _sse(
     lines: Iterator[str] | list[str],
     media_type: str,
     chunk_delay_s: float = 0.0,
-    on_close: Callable[[], None] | None = None,
+    on_close: Callable[[bool], None] | None = None,
 ) -> StreamingResponse:
     async def body() -> AsyncIterator[str]:
+        finished = False
         try:
             for line in lines:
                 yield line
                 await asyncio.sleep(chunk_delay_s)
             yield "data: [DONE]\n\n"
+            finished = True
         finally:
             if on_close is not None:
-                on_close()
+                on_close(finished)
 
     return StreamingResponse(body(), media_type=media_type)
 

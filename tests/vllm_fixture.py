@@ -29,7 +29,7 @@ class RunningEngine:
     max_model_len: int
 
 
-def _skip_if_asked() -> None:
+def skip_if_asked() -> None:
     if os.environ.get("TOKENKEEP_SKIP_VLLM") == "1":
         pytest.skip("TOKENKEEP_SKIP_VLLM=1")
 
@@ -37,7 +37,7 @@ def _skip_if_asked() -> None:
 @pytest.fixture(scope="session")
 def vllm_engine() -> Iterator[RunningEngine]:
     """The tiny random-weights Qwen3 (real tokenizer and chat template)."""
-    _skip_if_asked()
+    skip_if_asked()
     if url := os.environ.get("TOKENKEEP_VLLM_URL"):
         yield RunningEngine(
             url.rstrip("/"),
@@ -59,7 +59,7 @@ def vllm_engine() -> Iterator[RunningEngine]:
 def gemma_engine() -> Iterator[RunningEngine]:
     """The real Gemma 3 270M base model (greedy output is real language). Module-scoped: it
     is stopped after the module that uses it, so two engines do not share the CPU for long."""
-    _skip_if_asked()
+    skip_if_asked()
     engine = localengine.start(localengine.GEMMA_MODEL_NAME)
     try:
         yield RunningEngine(

@@ -19,12 +19,14 @@ import openai
 from fastapi import FastAPI
 
 from session_server.app import build_service, create_app
+from session_server.conversation import Conversation
 from session_server.settings import Settings
-from session_server.splice import ChatModel
+from session_server.splice import ChatModel, to_renderer_messages
 from session_server.tokenizer import load_tokenizer
-from session_server.turns import TurnService
+from session_server.turns import Plan, TurnService
 from tests.engine_double import EngineDouble, RecordedRequest, ScriptedCompletion
 from tests.real_tokenizers import qwen3_dir
+from tests.suffix_reference import assert_suffix, assert_suffix_carries
 
 BASE = "http://tokenkeep.test"
 
@@ -71,6 +73,8 @@ class Stack:
     service: TurnService
     double: EngineDouble
     sent: list[ScriptedCompletion] = field(default_factory=list)
+    planned: list[tuple[Conversation, Plan]] = field(default_factory=list)
+    """Every request the core planned, as the front-end translated it."""
     url: str | None = None
     """Set while the app also serves on a real port (for harnesses run as processes)."""
 
@@ -116,6 +120,30 @@ class Stack:
         for before, after, sampled in zip(requests, requests[1:], self.sent, strict=False):
             history = before.prompt_ids + sampled.token_ids
             assert after.prompt_ids[: len(history)] == history
+        self.assert_suffixes()
+
+    def assert_suffixes(self) -> None:
+        """Every continued turn added exactly the chat template's tail for its new messages
+        (`tests/suffix_reference.py`); a request that names the turn it continues
+        (`previous_response_id`) sends only the new items, so there the added tokens must
+        carry each of them and end with the generation prompt."""
+        model = qwen3()
+        for conversation, plan in self.planned:
+            if plan.kind not in ("extend", "fork"):
+                continue
+            stored = plan.prompt_ids[: len(plan.prompt_ids) - len(plan.prompt_delta)]
+            messages = to_renderer_messages(conversation.messages)
+            if conversation.previous_response_id:
+                assert_suffix_carries(model, plan.prompt_delta, messages)
+                continue
+            sampled = max(
+                (c.token_ids for c in self.sent if stored[-len(c.token_ids) :] == c.token_ids),
+                key=len,
+                default=None,
+            )
+            assert sampled is not None, "the stored turn ends with no scripted completion"
+            tools = [t.as_openai() for t in conversation.tools] or None
+            assert_suffix(model, plan.prompt_ids, stored, sampled, messages, tools)
 
 
 @asynccontextmanager
@@ -128,7 +156,16 @@ async def serving(double: EngineDouble, **settings: Any) -> AsyncIterator[Stack]
     app = create_app(config, service)
     # The ASGI transport runs no lifespan: start and stop the engine client here.
     await service.engine.start()
+    stack = Stack(app=app, service=service, double=double)
+    plan = service.plan
+
+    async def recording_plan(session_id: str, conversation: Conversation) -> Plan:
+        planned = await plan(session_id, conversation)
+        stack.planned.append((conversation, planned))
+        return planned
+
+    service.plan = recording_plan  # type: ignore[method-assign]
     try:
-        yield Stack(app=app, service=service, double=double)
+        yield stack
     finally:
         await service.engine.close()

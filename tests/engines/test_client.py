@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
-from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -174,11 +174,15 @@ async def test_session_sticks_to_one_replica_and_sessions_spread(
             first.engine_url
         )
 
-    placed = Counter(
-        [(await client.generate(f"spread-{i}", PROMPT, SAMPLING)).engine_url for i in range(60)]
-    )
-    assert set(placed) == {d.url for d in engine_doubles}
-    assert min(placed.values()) >= 8  # 20 expected per replica
+    # Each session goes where rendezvous hashing ranks it first, so sessions spread over
+    # every replica (the share itself depends on the ports: not asserted).
+    urls = [d.url for d in engine_doubles]
+    placed = {
+        f"spread-{i}": (await client.generate(f"spread-{i}", PROMPT, SAMPLING)).engine_url
+        for i in range(60)
+    }
+    assert placed == {session: rendezvous_order(session, urls)[0] for session in placed}
+    assert set(placed.values()) == set(urls)
 
 
 async def test_failure_before_first_token_moves_to_next_replica(
@@ -311,7 +315,7 @@ async def test_background_health_loop_marks_replicas(engine_doubles: list[Engine
     async with EngineClient([first.url], model=MODEL, health_interval_s=0.05) as client:
         assert client.replicas[0].healthy
         first.healthy = False
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 60  # a bound for a hung loop, not a timing claim
         while client.replicas[0].healthy and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         assert not client.replicas[0].healthy
@@ -341,14 +345,21 @@ async def test_slow_engine_times_out_with_504_without_retry(
     first = engine_doubles[0]
     session = session_ranked_first(engine_doubles, first)
 
+    answer = threading.Event()
+
     def slow(prompt: list[int], sampling: dict[str, Any]) -> ScriptedCompletion:
-        time.sleep(0.5)
+        answer.wait(60)  # until the client has given up: no race against the timeout
         return ScriptedCompletion([1, IM_END])
 
     first.default = slow
-    async with EngineClient([d.url for d in engine_doubles], model=MODEL, timeout_s=0.2) as client:
-        with pytest.raises(EngineError) as raised:
-            await client.generate(session, PROMPT, SAMPLING)
+    try:
+        async with EngineClient(
+            [d.url for d in engine_doubles], model=MODEL, timeout_s=0.2
+        ) as client:
+            with pytest.raises(EngineError) as raised:
+                await client.generate(session, PROMPT, SAMPLING)
+    finally:
+        answer.set()
     assert raised.value.status == 504
     assert all(not d.paths() for d in engine_doubles[1:])
 

@@ -18,6 +18,7 @@ from session_server.demo import TOOLS, answer_grammar, tool_call_grammar, weathe
 from tests.integration.conftest import TALLY, RealStack
 from tests.integration.relay import Exchange
 from tests.session.adversarial import naive_prompt
+from tests.suffix_reference import assert_suffix
 
 pytestmark = pytest.mark.vllm
 
@@ -169,6 +170,11 @@ def test_tool_conversation_is_token_exact_against_vllm(real_stack: RealStack, se
         stored = previous.prompt_ids + previous.completion_ids
         assert turn.kind == "extend"
         assert turn.prompt_ids[: len(stored)] == stored, f"turn {k} is not contiguous"
+        # ...and what follows the sampled tokens is the template's own text for the new
+        # messages (`tests/suffix_reference.py`), not merely something.
+        assert_suffix(
+            model, turn.prompt_ids, stored, previous.completion_ids, turn.sent_messages, TOOLS
+        )
 
         # A server without tokenkeep renders the whole history each turn: had it sent the
         # previous render and got the same tokens back, does this render continue them?

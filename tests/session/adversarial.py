@@ -245,7 +245,7 @@ SCENARIOS: list[Scenario] = [
         "content_empty_string_instead_of_none",
         _tool_call('{"name": "get_weather", "arguments": {"city": "Rome"}}'),
         harness=_empty_content,
-        naive_breaks=False,  # the template renders None and "" the same
+        # None and "" render the same; what breaks is the sampled JSON's sub-word split
     ),
     Scenario(
         "whitespace_stripped_by_harness",

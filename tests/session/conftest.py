@@ -3,6 +3,7 @@ double, driven by the official OpenAI SDK."""
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,7 +80,13 @@ def make_stack(
         context_length=double.max_model_len,
         **settings,
     )
-    store = MemoryStore() if store_kind == "memory" else RedisStore(redis_url or "")
+    # A key prefix per stack (per test): tests reuse session ids, and the Redis server is
+    # shared by the whole run, so without it results would depend on the order.
+    store = (
+        MemoryStore()
+        if store_kind == "memory"
+        else RedisStore(redis_url or "", key_prefix=f"t{uuid.uuid4().hex[:12]}")
+    )
     service = build_service(
         config,
         store=store,

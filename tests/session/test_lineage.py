@@ -10,7 +10,7 @@ import openai
 
 from session_server.conversation import Message
 from tests.engine_double import ScriptedCompletion
-from tests.session.adversarial import END, TOOLS, reply_as_harness_sends, tokens
+from tests.session.adversarial import END, TOOLS, naive_prompt, reply_as_harness_sends, tokens
 from tests.session.conftest import Stack
 
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -268,11 +268,12 @@ def test_jsonl_export_and_delete(stack: Stack) -> None:
 
 def test_tokenize_and_detokenize_match_the_served_template(stack: Stack) -> None:
     with httpx.Client(base_url=stack.url) as http:
+        # The reference is the chat template itself (as vLLM's chat endpoint applies it),
+        # not the renderer the server uses.
         rendered = http.post("/tokenize", json={"messages": USER}).json()
-        assert rendered["tokens"] == stack.model.render_prompt(
-            [Message("user", USER[0]["content"])],
-            [],
-        )
+        assert rendered["tokens"] == naive_prompt(stack.model, USER, None)
+        with_tools = http.post("/tokenize", json={"messages": USER, "tools": TOOLS})
+        assert with_tools.json()["tokens"] == naive_prompt(stack.model, USER, TOOLS)
         text = http.post("/detokenize", json={"tokens": rendered["tokens"]}).json()["prompt"]
         assert text.endswith("<|im_start|>assistant\n")
         bad = http.post("/detokenize", json={"tokens": [10**9]})
@@ -280,8 +281,9 @@ def test_tokenize_and_detokenize_match_the_served_template(stack: Stack) -> None
 
 
 def test_client_hanging_up_mid_stream_stops_generation_and_stores_nothing(stack: Stack) -> None:
-    stack.double.script(ScriptedCompletion(tokens(stack.model, *(["tok"] * 200), END)))
-    stack.double.chunk_delay_s = 0.02  # the whole stream would take 4 s
+    # 2000 tokens at 20 ms each: the stream would run 40 s; the client leaves after one.
+    stack.double.script(ScriptedCompletion(tokens(stack.model, *(["tok"] * 2000), END)))
+    stack.double.chunk_delay_s = 0.02
     with (
         httpx.Client(base_url=stack.url, timeout=30) as http,
         http.stream(
@@ -289,11 +291,11 @@ def test_client_hanging_up_mid_stream_stops_generation_and_stores_nothing(stack:
         ) as response,
     ):
         assert next(line for line in response.iter_lines() if line.startswith("data:"))
-    hung_up = time.monotonic()
-    while stack.double.streams_ended == 0 and time.monotonic() - hung_up < 10:
+    deadline = time.monotonic() + 60  # a bound for a hung test, not a timing claim
+    while stack.double.streams_ended == 0 and time.monotonic() < deadline:
         time.sleep(0.02)
     assert stack.double.streams_ended == 1
-    assert time.monotonic() - hung_up < 2, "the engine kept generating for a gone client"
+    assert stack.double.streams_abandoned == 1, "the engine kept generating for a gone client"
     assert _summary(stack, "hangup")["turns"] == 0
 
 

@@ -18,6 +18,8 @@ from session_server.store.base import (
     TurnRecord,
     UnknownParent,
 )
+from session_server.store.memory import MemoryStore
+from session_server.store.redis import RedisStore
 from tests.store.turns import meta, turn
 
 
@@ -347,17 +349,35 @@ async def test_concurrent_extends_build_valid_chains(store: SessionStore) -> Non
 
 
 async def test_ttl_slides_on_append_and_expires_everything(store: SessionStore) -> None:
-    await store.create_session(meta("s", ttl_seconds=2))
+    """The slide is read from each store's own clock (no sleeping against a deadline); the
+    expiry itself is real and waited for with a generous bound."""
+    await store.create_session(meta("s", ttl_seconds=3600))
     await store.create_session(meta("forever"))
-    await asyncio.sleep(1.2)
-    (a,) = await store.append_turns("s", [turn(None)], [["a"]])
-    await asyncio.sleep(1.2)
-    # 2.4 s after creation, 1.2 s after the append: alive only because the append slid it.
-    assert await store.resolve_key("s", "a") == a
-    deadline = time.monotonic() + 5
+    if isinstance(store, RedisStore):
+        keys = store.session_keys("s")
+        await store._redis.pexpire(keys[0], 1000)  # as if 3599 s had passed
+        (a,) = await store.append_turns("s", [turn(None)], [["a"]])
+        remaining = [await store._redis.pttl(key) for key in keys]
+        assert all(3_000_000 < ms <= 3_600_000 for ms in remaining), remaining
+        for key in reversed(keys):  # now let it run out, the meta key last
+            await store._redis.pexpire(key, 1)
+    else:
+        assert isinstance(store, MemoryStore)
+        now = [0.0]
+        store = MemoryStore(clock=lambda: now[0])
+        await store.create_session(meta("s", ttl_seconds=3600))
+        await store.create_session(meta("forever"))
+        now[0] = 3599.0
+        (a,) = await store.append_turns("s", [turn(None)], [["a"]])
+        now[0] = 3599.0 + 3599.0  # alive only because the append slid it
+        assert await store.resolve_key("s", "a") == a
+        now[0] += 2.0
+    deadline = time.monotonic() + 60  # a bound for a hung store, not a timing claim
     while await store.get_session("s") is not None:
         assert time.monotonic() < deadline, "session did not expire"
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.05)
+    if isinstance(store, RedisStore):
+        assert not await store._redis.exists(*store.session_keys("s"))
     with pytest.raises(SessionNotFound):
         await store.lookup("s", ["a"], None)
     with pytest.raises(SessionNotFound):

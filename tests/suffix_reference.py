@@ -1,0 +1,148 @@
+"""An independent reference for the tokens tokenkeep adds after a stored turn.
+
+Contiguity alone (turn k+1's prompt starts with turn k's prompt + sampled tokens) says
+nothing about what follows the sampled tokens: a splice that dropped a tool result or left
+out the generation prompt would still be contiguous. This reference says what must follow,
+from the model's own chat template over the request as the harness sent it
+(`tokenizer.apply_chat_template`, not tokenkeep's splice or renderer):
+
+- the added tokens decode to exactly the tail of the template's rendering of the whole
+  request that follows the stored assistant turn's end-of-turn token (the framing of every
+  new message, then the generation prompt);
+- every new message's text is in them, in order;
+- one rule of tokenkeep's own, named and checked exactly (`closing_rule`): a turn cut by
+  `max_tokens` has no end-of-turn token, so tokenkeep closes it first (context, outside the
+  loss): an open reasoning block with `</think>`, then the turn with its end-of-turn token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+from typing import Any
+
+from session_server.splice import ChatModel
+
+TRUNCATED_TURN_IS_CLOSED = "a turn cut by max_tokens is closed (reasoning, then the turn)"
+
+
+def _as_template_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The request as vLLM's chat endpoint hands it to the template: tool-call arguments
+    parsed into objects where they are JSON, `None` content as empty text."""
+    out = copy.deepcopy(messages)
+    for m in out:
+        if m.get("content") is None:
+            m["content"] = ""
+        for call in m.get("tool_calls") or []:
+            args = call["function"]["arguments"]
+            if isinstance(args, str):
+                # not JSON: the template writes the string as it is (only the history has it)
+                with contextlib.suppress(ValueError):
+                    call["function"]["arguments"] = json.loads(args)
+    return out
+
+
+def _render(
+    model: ChatModel,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    *,
+    generation_prompt: bool,
+) -> list[int]:
+    return list(
+        model.tokenizer.apply_chat_template(
+            _as_template_messages(messages),
+            tools=tools,
+            add_generation_prompt=generation_prompt,
+            tokenize=True,
+            return_dict=False,
+        )
+    )
+
+
+def expected_suffix_text(
+    model: ChatModel, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> str:
+    """The template's own text after the last assistant message's end-of-turn token."""
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    close = model.close_token_id
+    assert close is not None
+    closed_turns = _render(model, messages[: last + 1], tools, generation_prompt=False).count(close)
+    full = _render(model, messages, tools, generation_prompt=True)
+    positions = [i for i, t in enumerate(full) if t == close]
+    assert len(positions) >= closed_turns > 0, "the template does not close the stored turn"
+    return model.decode(full[positions[closed_turns - 1] + 1 :])
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):  # content parts
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content or ""
+
+
+def _assert_carries(text: str, new_messages: list[dict[str, Any]]) -> None:
+    position = 0
+    for message in new_messages:
+        needle = _text(message.get("content"))
+        found = text.find(needle, position)
+        assert found >= 0, f"new {message['role']} message {needle!r} missing from {text!r}"
+        position = found + len(needle)
+
+
+def closing_rule(model: ChatModel, sampled: list[int]) -> list[int]:
+    """The tokens tokenkeep itself adds after a turn cut by `max_tokens` (no end-of-turn
+    token was sampled): `</think>` if a reasoning block is still open, then the end-of-turn
+    token. Nothing after a turn that ended on its own."""
+    if not sampled or sampled[-1] in model.stop_token_ids:
+        return []
+    vocab = model.tokenizer.get_vocab()
+    think, think_end = vocab.get("<think>"), vocab.get("</think>")
+    closing: list[int] = []
+    if think is not None and think in sampled:
+        last_open = len(sampled) - 1 - sampled[::-1].index(think)
+        if think_end not in sampled[last_open:]:
+            closing.append(think_end)
+    assert model.close_token_id is not None
+    return [*closing, model.close_token_id]
+
+
+def assert_suffix(
+    model: ChatModel,
+    prompt: list[int],
+    stored: list[int],
+    sampled: list[int],
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+) -> None:
+    """`prompt` continues `stored` (prompt + `sampled` tokens of the turn the request's last
+    assistant message is) with exactly the template's tail for the messages after it."""
+    assert prompt[: len(stored)] == stored, "not contiguous with the stored turn"
+    assert stored[len(stored) - len(sampled) :] == sampled
+    added = prompt[len(stored) :]
+    closing = closing_rule(model, sampled)
+    assert added[: len(closing)] == closing, TRUNCATED_TURN_IS_CLOSED
+    text = model.decode(added[len(closing) :])
+    expected = expected_suffix_text(model, messages, tools)
+    assert text == expected, f"added tokens {text!r} are not the template's tail {expected!r}"
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    _assert_carries(text, messages[last + 1 :])
+
+
+def generation_prompt_text(model: ChatModel) -> str:
+    """What the template adds to make the model answer (Qwen3: `<|im_start|>assistant\\n`)."""
+    probe = [{"role": "user", "content": "probe"}]
+    with_prompt = model.decode(_render(model, probe, None, generation_prompt=True))
+    without = model.decode(_render(model, probe, None, generation_prompt=False))
+    assert with_prompt.startswith(without)
+    return with_prompt[len(without) :]
+
+
+def assert_suffix_carries(
+    model: ChatModel, added: list[int], new_messages: list[dict[str, Any]]
+) -> None:
+    """The weaker check where the request holds only the new messages: each one's text is in
+    the added tokens, in order, and they end with the template's generation prompt."""
+    text = model.decode(added)
+    _assert_carries(text, new_messages)
+    assert text.endswith(generation_prompt_text(model)), f"no generation prompt: {text!r}"
