@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
 
-from fastapi import FastAPI, Request, Response
+import orjson
+from fastapi import FastAPI, Request
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from session_server import __version__
 from session_server.api import (
@@ -94,41 +95,66 @@ def create_app(settings: Settings, service: TurnService | None = None) -> FastAP
     for module in (chat, messages, responses, completions, sessions, health, viewer):
         app.include_router(module.router)
 
-    @app.middleware("http")
-    async def access_log(request: Request, call_next: Any) -> Response:
-        started = time.perf_counter()
-        if settings.api_key and request.url.path not in _UNAUTHENTICATED:
-            presented = request.headers.get("x-api-key") or bearer_token(
-                request.headers.get("authorization")
-            )
-            if presented != settings.api_key:
-                response: Response = errors.error_response(request, 401, "missing or wrong API key")
-                _log_line(request, response.status_code, started)
-                return response
-        response = await call_next(request)
-        _log_line(request, response.status_code, started)
-        api = getattr(request.state, "api", None)
-        if api:
-            service.metrics.requests.labels(api=api, status=str(response.status_code)).inc()
-            service.metrics.request_seconds.labels(api=api).observe(time.perf_counter() - started)
-        return response
-
+    app.add_middleware(AccessLog, settings=settings, metrics=service.metrics)
     return app
 
 
-def _log_line(request: Request, status: int, started: float) -> None:
-    state = request.state
+class AccessLog:
+    """API-key check, one JSON log line and the request metrics, as a pure ASGI middleware:
+    `@app.middleware("http")` (Starlette's BaseHTTPMiddleware) costs a task group and a
+    memory stream per request and relays every streamed frame through them."""
+
+    def __init__(self, app: ASGIApp, *, settings: Settings, metrics: Metrics) -> None:
+        self.app = app
+        self.api_key = settings.api_key
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        if self.api_key and scope["path"] not in _UNAUTHENTICATED:
+            headers = Headers(scope=scope)
+            presented = headers.get("x-api-key") or bearer_token(headers.get("authorization"))
+            if presented != self.api_key:
+                request = Request(scope)
+                response = errors.error_response(request, 401, "missing or wrong API key")
+                await response(scope, receive, send)
+                _log_line(scope, 401, started)
+                return
+        status = 500  # unless a response starts: an exception escaped every handler
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            _log_line(scope, status, started)
+            api = scope.get("state", {}).get("api")
+            if api:
+                self.metrics.requests.labels(api=api, status=str(status)).inc()
+                self.metrics.request_seconds.labels(api=api).observe(time.perf_counter() - started)
+
+
+def _log_line(scope: Scope, status: int, started: float) -> None:
+    if not log.isEnabledFor(logging.INFO):
+        return
+    state = scope.get("state", {})
     log.info(
-        json.dumps(
+        orjson.dumps(
             {
-                "method": request.method,
-                "path": request.url.path,
+                "method": scope["method"],
+                "path": scope["path"],
                 "status": status,
                 "ms": round((time.perf_counter() - started) * 1000, 2),
-                "session": getattr(state, "session_id", None),
-                "api": getattr(state, "api", None),
-                "kind": getattr(state, "turn_kind", None),
-            },
-            separators=(",", ":"),
-        )
+                "session": state.get("session_id"),
+                "api": state.get("api"),
+                "kind": state.get("turn_kind"),
+            }
+        ).decode()
     )

@@ -7,6 +7,12 @@ import logging
 import os
 import sys
 
+# How long an idle client connection stays open. It must outlast the clients' own pool expiry
+# (httpx and the OpenAI/Anthropic SDKs: 5 s, aiohttp: 15 s): with uvicorn's default of 5 s the
+# server closed connections that a busy client was just reusing, and that request got no
+# response at all.
+KEEP_ALIVE_S = 75
+
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the session server")
@@ -49,7 +55,12 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(message)s")
     app = create_app(settings)
     uvicorn.run(
-        app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=False,
+        timeout_keep_alive=KEEP_ALIVE_S,
     )
     return 0
 

@@ -87,6 +87,9 @@ class Conversation:
     (otherwise only after the reasoning block closes)."""
     previous_response_id: str | None = None
     """Responses API: `messages` are only the new items after that response's turn."""
+    return_token_ids: bool | None = None
+    """The request's own choice of token IDs in the reply (None: the session's, then the
+    API's default)."""
 
 
 class ConversationError(ValueError):

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 import logging
 import socket
 import time
@@ -123,6 +122,18 @@ class Replica:
     url: str
     healthy: bool = True  # optimistic until a check or a request says otherwise
     protocol: Protocol = Protocol.GENERATE
+    failures: int = 0
+    """Requests in a row that could not reach it (reset by any answer)."""
+
+
+# A replica is marked down by its health check, or after this many requests in a row could not
+# reach it. One refused or reset connection is not enough: under a burst a busy engine's
+# accept queue overflows now and then while it is perfectly alive.
+FAILURES_BEFORE_DOWN = 3
+# vLLM (uvicorn) closes an idle keep-alive connection after 5 s. A pooled connection reused
+# just as the engine closes it fails with a reset and no response; expiring idle connections
+# well before the engine does removes that race.
+KEEPALIVE_EXPIRY_S = 2.0
 
 
 async def _resolve(url: str) -> list[str]:
@@ -159,8 +170,8 @@ def _engine_error(status: int, body: bytes) -> EngineError:
     """vLLM's error body is `{"error": {"message", "type", "param", "code"}}`; anything else
     (a proxy's HTML page, FastAPI's `{"detail": ...}`) is kept as text."""
     try:
-        payload = json.loads(body)
-    except ValueError:
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError:
         payload = None
     if isinstance(payload, dict) and isinstance(payload.get("error"), dict):
         error = payload["error"]
@@ -201,7 +212,7 @@ class EngineClient:
         timeout_s: float = 600,
         connect_timeout_s: float = 5.0,
         health_interval_s: float = 5.0,
-        max_connections: int = 512,
+        max_connections: int = 1024,
         transport: httpx.AsyncBaseTransport | None = None,
         discover: bool = False,
     ):
@@ -212,14 +223,25 @@ class EngineClient:
         self._configured = [url.rstrip("/") for url in urls]
         self._discover = discover
         self._replicas = {url: Replica(url) for url in self._configured}
+        # Waiting for a free connection is queueing behind a burst, not a failure: the pool
+        # wait gets the whole request timeout, only the TCP connect is short.
         self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s),
+            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s, pool=timeout_s),
             limits=httpx.Limits(
-                max_connections=max_connections, max_keepalive_connections=max_connections
+                max_connections=max_connections,
+                max_keepalive_connections=max_connections,
+                keepalive_expiry=KEEPALIVE_EXPIRY_S,
             ),
             transport=transport,
         )
+        # Health checks get their own small pool, so a burst that fills the request pool
+        # cannot starve them into declaring a busy engine dead.
         self._health_timeout = httpx.Timeout(min(2.0, health_interval_s))
+        self._health_http = httpx.AsyncClient(
+            timeout=self._health_timeout,
+            limits=httpx.Limits(max_connections=8, keepalive_expiry=KEEPALIVE_EXPIRY_S),
+            transport=transport,
+        )
         self._health_task: asyncio.Task[None] | None = None
 
     @property
@@ -240,6 +262,7 @@ class EngineClient:
                 await self._health_task
             self._health_task = None
         await self._http.aclose()
+        await self._health_http.aclose()
 
     async def __aenter__(self) -> EngineClient:
         await self.start()
@@ -257,15 +280,25 @@ class EngineClient:
     async def check_health(self) -> None:
         await asyncio.gather(*(self._check(r) for r in self._replicas.values()))
 
-    async def _check(self, replica: Replica) -> None:
+    async def _check(self, replica: Replica, *, strike_on_timeout: bool = True) -> None:
+        """A refused connection or a non-200 answer is a definite "down". A check that times
+        out is not: a server whose own event loop is saturated by a burst sees its timers
+        fire before it reads the answer, so a timeout only counts towards the failures in
+        a row (`strike_on_timeout`)."""
         try:
-            response = await self._http.get(replica.url + HEALTH_PATH, timeout=self._health_timeout)
+            response = await self._health_http.get(replica.url + HEALTH_PATH)
             healthy = response.status_code == 200
+        except httpx.TimeoutException as exc:
+            if strike_on_timeout:
+                self._strike(replica, f"health check timed out: {exc!r}")
+            return
         except httpx.HTTPError:
             healthy = False
         if healthy != replica.healthy:
             logger.warning("engine %s is now %s", replica.url, "up" if healthy else "down")
         replica.healthy = healthy
+        if healthy:
+            replica.failures = 0
 
     async def discover(self) -> None:
         """With discovery on, every address a configured host name resolves to is one
@@ -297,10 +330,16 @@ class EngineClient:
         ranked = rendezvous_order(session_id, healthy or list(self._replicas))
         return [self._replicas[url] for url in ranked]
 
-    def _mark_down(self, replica: Replica, reason: str) -> None:
-        if replica.healthy:
-            logger.warning("engine %s marked down: %s", replica.url, reason)
-        replica.healthy = False
+    def _strike(self, replica: Replica, reason: str) -> None:
+        replica.failures += 1
+        if replica.failures >= FAILURES_BEFORE_DOWN and replica.healthy:
+            logger.warning(
+                "engine %s marked down: %d failures in a row, last: %s",
+                replica.url,
+                replica.failures,
+                reason,
+            )
+            replica.healthy = False
 
     # --- requests -------------------------------------------------------------------------
 
@@ -324,8 +363,9 @@ class EngineClient:
             try:
                 generation = await self._generate_on(replica, call)
             except _Retryable as failure:
-                last_error = self._note_failure(replica, failure)
+                last_error = await self._note_failure(replica, failure)
                 continue
+            replica.failures = 0
             generation.latency_s = time.perf_counter() - started
             return generation
         assert last_error is not None
@@ -349,8 +389,9 @@ class EngineClient:
             try:
                 response = await self._post(replica, call)
             except _Retryable as failure:
-                last_error = self._note_failure(replica, failure)
+                last_error = await self._note_failure(replica, failure)
                 continue
+            replica.failures = 0
             parse = (
                 _deltas_from_generate_chunk
                 if replica.protocol is Protocol.GENERATE
@@ -369,15 +410,20 @@ class EngineClient:
             except _Retryable as failure:
                 if started:
                     raise failure.error from failure
-                last_error = self._note_failure(replica, failure)
+                last_error = await self._note_failure(replica, failure)
             finally:
                 await response.aclose()
         assert last_error is not None
         raise last_error
 
-    def _note_failure(self, replica: Replica, failure: _Retryable) -> EngineError:
+    async def _note_failure(self, replica: Replica, failure: _Retryable) -> EngineError:
+        """A request could not be served by `replica`. If it could not reach it, the replica
+        is asked at once whether it is alive (its health check decides, so a dead engine
+        stops receiving traffic right away), and repeated failures mark it down regardless."""
         if failure.mark_down:
-            self._mark_down(replica, failure.error.message)
+            self._strike(replica, failure.error.message)
+            if replica.healthy:
+                await self._check(replica, strike_on_timeout=False)
         logger.warning(
             "engine %s failed before any token, trying next: %s", replica.url, failure.error
         )
@@ -471,9 +517,11 @@ class EngineClient:
             ) from exc
         finally:
             await response.aclose()
+        # The body echoes the whole prompt (O(history) integers, checked by the caller):
+        # orjson decodes it several times faster than the standard library.
         try:
-            payload = json.loads(body)
-        except ValueError as exc:
+            payload = orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
             raise _Retryable(
                 EngineError(502, f"engine {replica.url} sent invalid JSON", "EngineProtocolError"),
                 mark_down=False,
@@ -498,8 +546,8 @@ async def _sse_payloads(response: httpx.Response, url: str) -> AsyncIterator[dic
             if data == "[DONE]":
                 return
             try:
-                payload = json.loads(data)
-            except ValueError:
+                payload = orjson.loads(data)
+            except orjson.JSONDecodeError:
                 payload = None
             if not isinstance(payload, dict):
                 raise _Retryable(

@@ -38,6 +38,9 @@ class TurnResult:
     """Unique per request (chatcmpl-/msg_/resp_ ids derive from it); a later Responses
     request may continue from it with `previous_response_id`."""
     parent_turn_id: int | None = None
+    return_token_ids: bool = False
+    """Whether the reply carries `prompt_token_ids` / `token_ids` (O(history) bytes per turn,
+    so harness APIs leave them out unless asked)."""
 
     @property
     def prompt_tokens(self) -> int:
@@ -63,6 +66,7 @@ class StreamStarted:
     model: str
     n: int
     response_id: str
+    return_token_ids: bool = False
 
 
 @dataclass(slots=True)

@@ -151,6 +151,7 @@ class TurnService:
         sampling_overrides: dict[str, Any] | None = None,
         metadata: dict[str, Any] | None = None,
         normalization: list[dict[str, Any]] | None = None,
+        return_token_ids: bool | None = None,
     ) -> SessionMeta:
         if normalization:
             compile_rules(normalization)  # reject bad patterns before anything is stored
@@ -161,6 +162,7 @@ class TurnService:
             sampling_overrides=dict(sampling_overrides or {}),
             metadata=dict(metadata or {}),
             normalization=list(normalization or []),
+            return_token_ids=return_token_ids,
         )
         try:
             created = await self.store.create_session(meta)
@@ -631,6 +633,7 @@ class TurnService:
             model=self.config.model_name,
             n=conversation.n,
             response_id=response_id,
+            return_token_ids=return_token_ids(conversation, plan.session),
         )
 
     def _check_proof(self, plan: Plan, reported: list[int] | None) -> None:
@@ -716,6 +719,7 @@ class TurnService:
             model=self.config.model_name,
             response_id=response_id,
             parent_turn_id=plan.parent_id,
+            return_token_ids=return_token_ids(conversation, plan.session),
         )
 
 
@@ -728,6 +732,17 @@ class _Sampled:
     stop_reason: int | str | None
     message: Message
     api_finish: str
+
+
+def return_token_ids(conversation: Conversation, session: SessionMeta) -> bool:
+    """The request's choice, else the session's, else the API's: token-ID clients
+    (`/v1/completions`) get them, the harness APIs do not (the trajectory export is where a
+    trainer reads tokens)."""
+    if conversation.return_token_ids is not None:
+        return conversation.return_token_ids
+    if session.return_token_ids is not None:
+        return session.return_token_ids
+    return conversation.api == "completions"
 
 
 def volatile_parts(conversation: Conversation, rules: list[re.Pattern[str]]) -> list[str]:

@@ -12,6 +12,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from session_server.api.params import explicit_sampling
+from session_server.api.routing import LeanRoute
 from session_server.api.session_ids import check_session_id, session_id_from_headers
 from session_server.api.sse import (
     DONE,
@@ -29,7 +30,7 @@ from session_server.results import (
     TurnResult,
 )
 
-router = APIRouter()
+router = APIRouter(route_class=LeanRoute)
 
 
 class FunctionCall(BaseModel):
@@ -107,6 +108,9 @@ class ChatCompletionRequest(BaseModel):
     structured_outputs: dict[str, Any] | None = None
     reasoning_ended: bool | None = None
     required_prefix_token_ids: list[int] | None = None
+    return_token_ids: bool | None = None
+    """vLLM's name: the reply carries `prompt_token_ids` and `token_ids` (default: the
+    session's setting, else off for harness APIs, on for token-ID completions)."""
 
 
 def _text(content: str | list[ContentPart] | None) -> str:
@@ -174,6 +178,7 @@ def to_conversation(body: ChatCompletionRequest) -> Conversation:
         model=body.model,
         required_prefix_token_ids=body.required_prefix_token_ids,
         reasoning_ended=body.reasoning_ended,
+        return_token_ids=body.return_token_ids,
     )
 
 
@@ -253,10 +258,11 @@ def format_result(result: TurnResult, conversation: Conversation, model: Any) ->
             "logprobs": _logprobs_out(model, c.token_ids, c.logprobs)
             if conversation.logprobs
             else None,
-            "token_ids": c.token_ids,
         }
+        if result.return_token_ids:
+            choice["token_ids"] = c.token_ids
         choices.append(choice)
-    return {
+    body = {
         "id": _completion_id(result.response_id),
         "object": "chat.completion",
         "created": result.created,
@@ -267,21 +273,25 @@ def format_result(result: TurnResult, conversation: Conversation, model: Any) ->
             "completion_tokens": result.completion_tokens,
             "total_tokens": result.prompt_tokens + result.completion_tokens,
         },
-        "prompt_token_ids": result.prompt_ids,
         "tokenkeep": {**_tokenkeep_info(result), "turn_ids": [c.turn_id for c in result.choices]},
     }
+    if result.return_token_ids:
+        body["prompt_token_ids"] = result.prompt_ids
+    return body
 
 
 async def _chunks(
     events: AsyncIterator[Any], conversation: Conversation, model: Any, include_usage: bool
 ) -> AsyncIterator[bytes]:
     head: dict[str, Any] = {}
+    token_ids = False
 
     def chunk(choices: list[dict[str, Any]], **extra: Any) -> bytes:
         return data_line({**head, "choices": choices, **extra})
 
     async for event in events:
         if isinstance(event, StreamStarted):
+            token_ids = event.return_token_ids
             head = {
                 "id": _completion_id(event.response_id),
                 "object": "chat.completion.chunk",
@@ -298,7 +308,7 @@ async def _chunks(
                             "finish_reason": None,
                         }
                     ],
-                    **({"prompt_token_ids": event.prompt_ids} if i == 0 else {}),
+                    **({"prompt_token_ids": event.prompt_ids} if i == 0 and token_ids else {}),
                     tokenkeep=_tokenkeep_info(event),
                 )
         elif isinstance(event, ChoiceDelta):
@@ -307,19 +317,17 @@ async def _chunks(
                 delta["reasoning_content"] = event.reasoning
             if event.content:
                 delta["content"] = event.content
-            yield chunk(
-                [
-                    {
-                        "index": event.index,
-                        "delta": delta,
-                        "logprobs": _logprobs_out(model, event.token_ids, event.logprobs)
-                        if conversation.logprobs
-                        else None,
-                        "finish_reason": None,
-                        "token_ids": event.token_ids,
-                    }
-                ]
-            )
+            out: dict[str, Any] = {
+                "index": event.index,
+                "delta": delta,
+                "logprobs": _logprobs_out(model, event.token_ids, event.logprobs)
+                if conversation.logprobs
+                else None,
+                "finish_reason": None,
+            }
+            if token_ids:
+                out["token_ids"] = event.token_ids
+            yield chunk([out])
         elif isinstance(event, ChoiceFinished):
             delta = {}
             if event.reasoning_tail:

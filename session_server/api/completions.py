@@ -16,6 +16,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from session_server.api.params import explicit_sampling
+from session_server.api.routing import LeanRoute
 from session_server.api.session_ids import check_session_id, session_id_from_headers
 from session_server.api.sse import (
     DONE,
@@ -32,7 +33,7 @@ from session_server.results import (
     TurnResult,
 )
 
-router = APIRouter()
+router = APIRouter(route_class=LeanRoute)
 
 _REPLACEMENT = "\ufffd"
 
@@ -62,6 +63,9 @@ class CompletionRequest(BaseModel):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
     structured_outputs: dict[str, Any] | None = None
+    return_token_ids: bool | None = None
+    """vLLM's name: the reply carries `prompt_token_ids` and `token_ids` (default: the
+    session's setting, else off for harness APIs, on for token-ID completions)."""
 
 
 def prompt_ids(body: CompletionRequest, model: Any) -> list[int]:
@@ -93,6 +97,7 @@ def to_conversation(body: CompletionRequest) -> Conversation:
         stream=body.stream,
         api="completions",
         model=body.model,
+        return_token_ids=body.return_token_ids,
     )
 
 
@@ -126,7 +131,7 @@ def _usage(result: TurnResult) -> dict[str, int]:
 
 
 def format_result(result: TurnResult, conversation: Conversation, model: Any) -> dict[str, Any]:
-    return {
+    body = {
         "id": "cmpl-" + result.response_id,
         "object": "text_completion",
         "created": result.created,
@@ -140,18 +145,20 @@ def format_result(result: TurnResult, conversation: Conversation, model: Any) ->
                 else None,
                 "finish_reason": "length" if c.finish_reason == "length" else "stop",
                 "stop_reason": c.stop_reason,
-                "token_ids": c.token_ids,
             }
+            | ({"token_ids": c.token_ids} if result.return_token_ids else {})
             for c in result.choices
         ],
         "usage": _usage(result),
-        "prompt_token_ids": result.prompt_ids,
         "tokenkeep": {
             "kind": result.kind,
             "break_reason": result.break_reason,
             "turn_ids": [c.turn_id for c in result.choices],
         },
     }
+    if result.return_token_ids:
+        body["prompt_token_ids"] = result.prompt_ids
+    return body
 
 
 async def _chunks(
@@ -160,8 +167,10 @@ async def _chunks(
     head: dict[str, Any] = {}
     pending: dict[int, list[int]] = {}
     stops = set(model.stop_token_ids)
+    token_ids = False
     async for event in events:
         if isinstance(event, StreamStarted):
+            token_ids = event.return_token_ids
             head = {
                 "id": "cmpl-" + event.response_id,
                 "object": "text_completion",
@@ -172,7 +181,7 @@ async def _chunks(
                 {
                     **head,
                     "choices": [],
-                    "prompt_token_ids": event.prompt_ids,
+                    **({"prompt_token_ids": event.prompt_ids} if token_ids else {}),
                     "tokenkeep": {"kind": event.kind, "break_reason": event.break_reason},
                 }
             )
@@ -195,8 +204,8 @@ async def _chunks(
                             "logprobs": _logprobs(model, event.token_ids, event.logprobs, 0)
                             if conversation.logprobs
                             else None,
-                            "token_ids": event.token_ids,
                         }
+                        | ({"token_ids": event.token_ids} if token_ids else {})
                     ],
                 }
             )

@@ -14,7 +14,8 @@ Mapping:
 - `stop_sequences` -> `stop`; `max_tokens`, `temperature`, `top_p`, `top_k` keep their names.
 - `tool_choice`: auto -> "auto", any -> "required", tool -> that function, none -> "none".
 - Token-aware clients: per-message `prompt_token_ids` / `generation_token_ids` and a
-  top-level `required_prefix_token_ids`; replies carry `prompt_token_ids` and `token_ids`.
+  top-level `required_prefix_token_ids`; replies carry `prompt_token_ids` and `token_ids`
+  when asked (`return_token_ids`, or the session's setting).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeInt
 
 from session_server.api.errors import classify, error_body
+from session_server.api.routing import LeanRoute
 from session_server.api.session_ids import check_session_id, session_id_from_headers
 from session_server.api.sse import event_line, serve_turn
 from session_server.conversation import Conversation, ConversationError, Message, Tool, ToolCall
@@ -41,7 +43,7 @@ from session_server.results import (
     TurnResult,
 )
 
-router = APIRouter()
+router = APIRouter(route_class=LeanRoute)
 
 # --- wire request ------------------------------------------------------------------------
 
@@ -130,6 +132,9 @@ class MessagesRequest(CountTokensRequest):
     stream: bool = False
     metadata: dict[str, Any] | None = None
     required_prefix_token_ids: TokenIds | None = None
+    return_token_ids: bool | None = None
+    """vLLM's name: the reply carries `prompt_token_ids` and `token_ids` (default: the
+    session's setting, else off for harness APIs, on for token-ID completions)."""
 
 
 # --- request -> conversation -------------------------------------------------------------
@@ -158,6 +163,7 @@ def conversation_from_request(request: CountTokensRequest) -> Conversation:
     if isinstance(request, MessagesRequest):
         conversation.stream = request.stream
         conversation.required_prefix_token_ids = request.required_prefix_token_ids
+        conversation.return_token_ids = request.return_token_ids
         conversation.sampling = _sampling(request)
     return conversation
 
@@ -322,9 +328,11 @@ def message_response(result: TurnResult) -> dict[str, Any]:
         "stop_reason": reason,
         "stop_sequence": sequence,
         "usage": usage(result),
-        "prompt_token_ids": result.prompt_ids,
-        "token_ids": choice.token_ids,
-    }
+    } | (
+        {"prompt_token_ids": result.prompt_ids, "token_ids": choice.token_ids}
+        if result.return_token_ids
+        else {}
+    )
 
 
 def _event(data: dict[str, Any]) -> bytes:
@@ -398,8 +406,9 @@ async def message_stream(events: AsyncIterator[StreamEvent]) -> AsyncIterator[by
                     "cache_creation_input_tokens": 0,
                     "cache_read_input_tokens": 0,
                 },
-                "prompt_token_ids": event.prompt_ids,
             }
+            if event.return_token_ids:
+                message["prompt_token_ids"] = event.prompt_ids
             frames.append(_event({"type": "message_start", "message": message}))
             frames.append(_event({"type": "ping"}))
         elif isinstance(event, ChoiceDelta):
@@ -424,16 +433,14 @@ async def message_stream(events: AsyncIterator[StreamEvent]) -> AsyncIterator[by
         elif isinstance(event, StreamFinished):
             choice = event.result.choices[0]
             reason, sequence = anthropic_stop(choice)
-            frames.append(
-                _event(
-                    {
-                        "type": "message_delta",
-                        "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                        "usage": usage(event.result),
-                        "token_ids": choice.token_ids,
-                    }
-                )
-            )
+            delta_event = {
+                "type": "message_delta",
+                "delta": {"stop_reason": reason, "stop_sequence": sequence},
+                "usage": usage(event.result),
+            }
+            if event.result.return_token_ids:
+                delta_event["token_ids"] = choice.token_ids
+            frames.append(_event(delta_event))
             frames.append(_event({"type": "message_stop"}))
         for frame in frames:
             yield frame

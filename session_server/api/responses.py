@@ -16,7 +16,8 @@ Mapping:
 - `max_output_tokens` -> `max_tokens`; `temperature`, `top_p` keep their names;
   `text.format` json_schema / json_object -> a structured-output constraint.
 - Output: a `reasoning` item (reasoning_text content), a `message` item (one output_text
-  part), one `function_call` item per tool call; plus `prompt_token_ids` and `token_ids`.
+  part), one `function_call` item per tool call; plus `prompt_token_ids` and `token_ids`
+  when asked (`return_token_ids`, or the session's setting).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from pydantic import (
 )
 
 from session_server.api.errors import classify
+from session_server.api.routing import LeanRoute
 from session_server.api.session_ids import check_session_id, session_id_from_headers
 from session_server.api.sse import event_line, serve_turn
 from session_server.conversation import Conversation, ConversationError, Message, Tool, ToolCall
@@ -48,7 +50,7 @@ from session_server.results import (
     TurnResult,
 )
 
-router = APIRouter()
+router = APIRouter(route_class=LeanRoute)
 
 RESPONSE_ID_PREFIX = "resp_"
 
@@ -166,6 +168,9 @@ class ResponsesRequest(_Wire):
     metadata: dict[str, Any] | None = None
     background: bool = False
     required_prefix_token_ids: TokenIds | None = None
+    return_token_ids: bool | None = None
+    """vLLM's name: the reply carries `prompt_token_ids` and `token_ids` (default: the
+    session's setting, else off for harness APIs, on for token-ID completions)."""
 
 
 # --- request -> conversation -------------------------------------------------------------
@@ -190,6 +195,7 @@ def conversation_from_request(request: ResponsesRequest) -> Conversation:
         api="responses",
         model=request.model or None,
         required_prefix_token_ids=request.required_prefix_token_ids,
+        return_token_ids=request.return_token_ids,
         previous_response_id=(
             request.previous_response_id.removeprefix(RESPONSE_ID_PREFIX)
             if request.previous_response_id
@@ -386,8 +392,9 @@ def response_object(
             "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": result.prompt_tokens + result.completion_tokens,
         }
-        body["prompt_token_ids"] = result.prompt_ids
-        body["token_ids"] = choice.token_ids
+        if result.return_token_ids:
+            body["prompt_token_ids"] = result.prompt_ids
+            body["token_ids"] = choice.token_ids
     return body
 
 
@@ -445,7 +452,8 @@ class ResponseStream:
                 status="in_progress",
                 output=[],
             )
-            response["prompt_token_ids"] = event.prompt_ids
+            if event.return_token_ids:
+                response["prompt_token_ids"] = event.prompt_ids
             frames.append(self._frame("response.created", response=response))
             frames.append(self._frame("response.in_progress", response=response))
         elif isinstance(event, ChoiceDelta):

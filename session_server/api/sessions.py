@@ -28,6 +28,10 @@ class CreateSession(BaseModel):
     normalization: list[dict[str, Any]] | None = None
     """Volatile-prompt rules: [{"pattern": regex}]; matches are ignored when comparing
     history. Off by default: see docs/harnesses.md for the trade-off."""
+    return_token_ids: bool | None = None
+    """Replies carry `prompt_token_ids` / `token_ids` unless a request says otherwise
+    (default: off for Chat Completions, Responses and Messages, on for token-ID completions;
+    the trajectory export always has the tokens)."""
 
 
 def _urls(request: Request, session_id: str) -> dict[str, str]:
@@ -52,6 +56,7 @@ async def create_session(request: Request, body: CreateSession | None = None) ->
         sampling_overrides=body.sampling,
         metadata=body.metadata,
         normalization=body.normalization,
+        return_token_ids=body.return_token_ids,
     )
     return {
         "id": meta.session_id,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -10,17 +9,14 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from session_server.api.errors import classify, error_body
+from session_server.api.routing import dumps
 from session_server.results import StreamEvent, TurnResult
 
 DONE = b"data: [DONE]\n\n"
 
 
 def data_line(payload: dict[str, Any]) -> bytes:
-    return (
-        b"data: "
-        + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode()
-        + b"\n\n"
-    )
+    return b"data: " + dumps(payload) + b"\n\n"
 
 
 def openai_error_line(path: str) -> Callable[[Exception], bytes]:
@@ -34,8 +30,7 @@ def openai_error_line(path: str) -> Callable[[Exception], bytes]:
 
 
 def event_line(event: str, payload: dict[str, Any]) -> bytes:
-    body = json.dumps(payload, separators=(",", ":"), ensure_ascii=False)
-    return f"event: {event}\ndata: {body}\n\n".encode()
+    return b"event: " + event.encode() + b"\ndata: " + dumps(payload) + b"\n\n"
 
 
 async def first_then_rest(events: AsyncIterator[StreamEvent]) -> AsyncIterator[StreamEvent]:

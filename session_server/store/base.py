@@ -65,6 +65,9 @@ class SessionMeta:
     metadata: dict[str, Any] = field(default_factory=dict)
     normalization: list[dict[str, Any]] = field(default_factory=list)
     """Volatile-prompt rules (see session_server.conversation); empty = off."""
+    return_token_ids: bool | None = None
+    """Replies carry `prompt_token_ids` / `token_ids` unless a request says otherwise
+    (None: each API's default)."""
 
 
 def new_incarnation() -> str:

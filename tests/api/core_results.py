@@ -29,6 +29,7 @@ def turn_result(
     stop_reason: int | str | None = 151645,
     token_ids: list[int] | None = None,
     response_id: str = "0123abcd",
+    return_token_ids: bool = True,
 ) -> TurnResult:
     token_ids = token_ids if token_ids is not None else [11, 12, 13, 151645]
     return TurnResult(
@@ -50,6 +51,7 @@ def turn_result(
         created=1_700_000_000,
         model="tiny-qwen3",
         response_id=response_id,
+        return_token_ids=return_token_ids,
     )
 
 
@@ -70,6 +72,7 @@ def stream_events(
             model=result.model,
             n=1,
             response_id=result.response_id,
+            return_token_ids=result.return_token_ids,
         )
     ]
     for piece in reasoning_pieces:

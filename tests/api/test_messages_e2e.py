@@ -102,7 +102,9 @@ async def test_tool_loop_is_contiguous(double: EngineDouble, stream: bool) -> No
                 ],
             },
         ]
-        third = await ask(client, stream, messages=history)
+        # Token IDs in replies are opt-in (O(history) bytes a harness never reads).
+        assert "prompt_token_ids" not in (second.model_extra or {})
+        third = await ask(client, stream, messages=history, extra_body={"return_token_ids": True})
         assert [b.type for b in third.content] == ["text"]
         assert third.content[0].text == "Paris is 18C; Nice 20C."
         assert third.stop_reason == "end_turn"

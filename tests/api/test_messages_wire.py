@@ -18,7 +18,13 @@ from fastapi import FastAPI
 from session_server.api import errors, messages
 from session_server.conversation import Message, ToolCall
 from session_server.results import StreamEvent
-from tests.api.core_results import aiter_events, stream_events, turn_result, weather_call
+from tests.api.core_results import (
+    PROMPT_IDS,
+    aiter_events,
+    stream_events,
+    turn_result,
+    weather_call,
+)
 
 BILLING = "x-anthropic-billing-header: cc_version=2.1.330.440; cc_entrypoint=sdk-cli; cch=4f2a1;"
 
@@ -222,6 +228,15 @@ def reply_with_everything() -> Message:
             ToolCall(id="call_b", name="get_weather", arguments='{"city": "Nic\\u00e9"}'),
         ],
     )
+
+
+def test_token_ids_only_when_asked() -> None:
+    asked = messages.message_response(turn_result(Message("assistant", "Hi.")))
+    assert asked["prompt_token_ids"] == PROMPT_IDS and asked["token_ids"]
+    plain = messages.message_response(
+        turn_result(Message("assistant", "Hi."), return_token_ids=False)
+    )
+    assert "prompt_token_ids" not in plain and "token_ids" not in plain
 
 
 def test_reply_parsed_by_sdk() -> None:

@@ -83,7 +83,8 @@ async def test_resent_items_loop_is_contiguous(double: EngineDouble, stream: boo
         assert [item.type for item in first.output] == ["reasoning", "function_call"]
         assert json.loads(first.output[1].arguments) == {"city": "Paris"}
         items += as_input(first) + outputs_for(first, {"get_weather": "18C"})
-        second = await ask(client, stream, input=items)
+        assert "token_ids" not in (first.model_extra or {})  # opt-in
+        second = await ask(client, stream, input=items, extra_body={"return_token_ids": True})
         assert second.output_text == "Paris is 18C."
         assert second.output[0].content[0].text.strip() == "Done."
         assert second.usage.input_tokens == len(stack.engine_requests()[-1].prompt_ids)

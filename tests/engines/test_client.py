@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
 import pytest
 
 from session_server.engines import (
@@ -405,3 +406,38 @@ async def test_discovery_makes_each_address_of_a_host_a_replica(engine_double) -
         assert f"http://localhost:{port}" not in urls
     async with EngineClient([f"http://localhost:{port}"], model="m") as client:
         assert [replica.url for replica in client.replicas] == [f"http://localhost:{port}"]
+
+
+class RefuseFirstConnects(httpx.AsyncBaseTransport):
+    """A network-fault double: the first `refusals` generation requests fail to connect, as
+    when a busy engine's accept queue overflows under a burst (no real engine can be made
+    to do that on demand); health checks and everything after go over real TCP."""
+
+    def __init__(self, refusals: int) -> None:
+        self.refusals = refusals
+        self.real = httpx.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == GENERATE_PATH and self.refusals > 0:
+            self.refusals -= 1
+            raise httpx.ConnectError("connection refused", request=request)
+        return await self.real.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self.real.aclose()
+
+
+async def test_one_refused_connect_does_not_mark_a_live_engine_down(
+    engine_double: EngineDouble,
+) -> None:
+    engine_double.default = lambda prompt, sampling: ScriptedCompletion([4, IM_END])
+    transport = RefuseFirstConnects(1)
+    async with EngineClient(
+        [engine_double.url], model=MODEL, health_interval_s=60, transport=transport
+    ) as client:
+        with pytest.raises(EngineError) as raised:
+            await client.generate("s", PROMPT, SAMPLING)
+        assert raised.value.status == 503
+        # Its health check answered: the replica stays in rotation and serves the next turn.
+        assert client.replicas[0].healthy
+        assert (await client.generate("s", PROMPT, SAMPLING)).choices[0].token_ids == [4, IM_END]

@@ -38,7 +38,10 @@ def run_two_turns(stack: Stack, scenario: Scenario, session_id: str) -> dict[str
     sampled = scenario.completion(model)
     stack.double.script(ScriptedCompletion(sampled, finish_reason=scenario.finish_reason))
     first = client.chat.completions.create(
-        model="m", messages=history, **({"tools": tools} if tools else {})
+        model="m",
+        messages=history,
+        extra_body={"return_token_ids": True},
+        **({"tools": tools} if tools else {}),
     )
     scenario.check(first.choices[0].message)
     assert first.choices[0].token_ids == sampled  # the reply carries the sampled tokens

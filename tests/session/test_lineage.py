@@ -163,6 +163,7 @@ def test_streaming_reasoning_content_and_tool_calls(stack: Stack) -> None:
         tools=TOOLS,
         stream=True,
         stream_options={"include_usage": True},
+        extra_body={"return_token_ids": True},
     )
     content = reasoning = ""
     calls: dict[int, dict[str, str]] = {}

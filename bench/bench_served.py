@@ -1,0 +1,532 @@
+"""The whole served request: `tokenkeep serve` as a user runs it, measured from outside.
+
+Three processes: the real server (`tokenkeep serve`, uvicorn, default log level), an instant
+engine (tests/engine_double.py, the vLLM-protocol test double: a real model would make the
+engine's time dominate and hide the server's), and this load generator. The figure that
+matters is the server process's own CPU time, read from /proc:
+
+- per turn (p50/p95): one request at a time, each bracketed by the server's on-CPU time
+  (`/proc/<pid>/task/*/schedstat`, nanoseconds) — a harness that resends the whole history
+  (system prompt + one big first message of 1k/32k/128k tokens + the turns so far) and adds a
+  30-token user message; the engine answers 7 tokens at once;
+- turns/s per core: many sessions at once, total turns / server CPU seconds (`/proc/<pid>/stat`);
+- a burst: 1,024 sessions start at once against one engine and one server, two turns each:
+  every turn answered, errors, connections closed without a response, engine marked down;
+- added time to first token: a streamed turn through tokenkeep (first content chunk) minus
+  the same-length token prompt streamed straight to the engine double (its first chunk).
+
+Run: .venv/bin/python bench/bench_served.py [--out bench/results/served.md] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.append(str(ROOT))  # tests/ helpers, shared rather than copied
+
+from tests.real_tokenizers import qwen3_dir  # noqa: E402
+from tests.redis_server import start_redis_server, stop_redis_server  # noqa: E402
+
+HISTORIES = (1_000, 32_000, 128_000)
+NEW_MESSAGE_TOKENS = 30
+REPLY_TEXT = "All done, the tests pass now."  # 7 tokens + end of turn (Qwen3)
+CONTEXT = 262_144
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+# --- processes --------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _engine_double_main(port_file: str) -> None:
+    """Child process: an engine double that answers every request with REPLY_TEXT."""
+    from collections import deque
+
+    from tokenizers import Tokenizer
+
+    from tests.engine_double import EngineDouble, ScriptedCompletion
+
+    tokenizer = Tokenizer.from_file(str(qwen3_dir() / "tokenizer.json"))
+    reply = [*tokenizer.encode(REPLY_TEXT, add_special_tokens=False).ids]
+    reply.append(tokenizer.token_to_id("<|im_end|>"))
+    double = EngineDouble(max_model_len=CONTEXT)
+    double.requests = deque(maxlen=1)  # type: ignore[assignment]  # keep no 128k-token bodies
+    double.default = lambda _prompt, _sampling: ScriptedCompletion(list(reply))
+    double.start()
+    Path(port_file).write_text(str(double.port))
+    signal.sigwait({signal.SIGTERM, signal.SIGINT})
+    double.stop()
+
+
+@dataclass
+class Server:
+    proc: subprocess.Popen[bytes]
+    url: str
+    log: Path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def cpu_ticks(self) -> int:
+        """utime + stime of the whole process (all threads, live and exited)."""
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return int(fields[11]) + int(fields[12])
+
+    def cpu_ns(self) -> int:
+        """On-CPU nanoseconds of the live threads (fine-grained, for one request)."""
+        total = 0
+        for task in Path(f"/proc/{self.pid}/task").iterdir():
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                total += int((task / "schedstat").read_text().split()[0])
+        return total
+
+    def marked_down(self) -> int:
+        log = self.log.read_text(errors="replace")
+        return log.count("marked down") + log.count("is now down")
+
+
+def start_server(engine_url: str, redis_url: str | None, workdir: Path) -> Server:
+    port = _free_port()
+    log = workdir / f"server-{port}.log"
+    command = [
+        str(Path(sys.executable).parent / "tokenkeep"),
+        "serve",
+        "--engine-url", engine_url,
+        "--model", "tokenkeep-tiny-qwen3",
+        "--tokenizer", str(qwen3_dir()),
+        "--port", str(port),
+        "--context-length", str(CONTEXT),
+    ]  # fmt: skip
+    if redis_url:
+        command += ["--redis-url", redis_url]
+    proc = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("server exited:\n" + log.read_text()[-3000:])
+        try:
+            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                return Server(proc, url, log)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("server did not start")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+# --- conversations ----------------------------------------------------------------------
+
+
+class Texts:
+    """Text of an exact token length (Qwen3 tokenizer), different for every call."""
+
+    def __init__(self) -> None:
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(str(qwen3_dir() / "tokenizer.json"))
+        self.count = 0
+
+    def make(self, tokens: int) -> str:
+        self.count += 1
+        words = " ".join(f"item{self.count}_{k} is fine" for k in range(tokens // 2 + 8))
+        ids = self.tokenizer.encode(words, add_special_tokens=False).ids[:tokens]
+        return self.tokenizer.decode(ids)
+
+
+@dataclass
+class Session:
+    id: str
+    messages: list[dict[str, Any]]
+
+    def body(self, texts: Texts, stream: bool = False) -> dict[str, Any]:
+        self.messages.append({"role": "user", "content": texts.make(NEW_MESSAGE_TOKENS)})
+        return {"model": "tokenkeep-tiny-qwen3", "messages": self.messages, "stream": stream}
+
+    def answered(self, reply: dict[str, Any]) -> None:
+        self.messages.append(reply["choices"][0]["message"])
+
+
+def new_session(name: str, history: int, texts: Texts) -> Session:
+    return Session(
+        name,
+        [
+            {"role": "system", "content": "You are a coding agent."},
+            {"role": "user", "content": texts.make(history)},
+            {"role": "assistant", "content": "Noted."},
+        ],
+    )
+
+
+def chat_url(server: Server, session: Session) -> str:
+    return f"{server.url}/sessions/{session.id}/v1/chat/completions"
+
+
+def turn(client: httpx.Client, server: Server, session: Session, texts: Texts) -> dict[str, Any]:
+    response = client.post(chat_url(server, session), json=session.body(texts))
+    response.raise_for_status()
+    reply = response.json()
+    session.answered(reply)
+    return reply
+
+
+# --- measurements -----------------------------------------------------------------------
+
+
+def pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+@dataclass
+class PerTurn:
+    history: int
+    prompt_tokens: int
+    cpu_ms: list[float] = field(default_factory=list)
+    mean_ms: float = 0.0
+
+
+def per_turn_cpu(
+    server: Server, texts: Texts, history: int, sessions: int, turns: int, tag: str
+) -> PerTurn:
+    """Sequential turns; each one's server CPU from schedstat; the mean from /proc/stat."""
+    group = [new_session(f"{tag}-h{history}-{i}", history, texts) for i in range(sessions)]
+    result = PerTurn(history, 0)
+    with httpx.Client(timeout=120) as client:
+        for session in group:  # the first turn renders the whole history: not measured
+            turn(client, server, session, texts)
+        for _ in range(2):  # warm the connection and the code paths
+            turn(client, server, group[0], texts)
+        ticks = server.cpu_ticks()
+        for k in range(turns):
+            session = group[k % sessions]
+            body = session.body(texts)
+            payload = json.dumps(body).encode()  # the client's own work, outside the bracket
+            before = server.cpu_ns()
+            response = client.post(
+                chat_url(server, session),
+                content=payload,
+                headers={"content-type": "application/json"},
+            )
+            after = server.cpu_ns()
+            response.raise_for_status()
+            reply = response.json()
+            session.answered(reply)
+            result.prompt_tokens = reply["usage"]["prompt_tokens"]
+            result.cpu_ms.append((after - before) / 1e6)
+        result.mean_ms = (server.cpu_ticks() - ticks) / TICKS * 1000 / turns
+    return result
+
+
+async def concurrent_turns(
+    server: Server, texts: Texts, history: int, sessions: int, turns: int, tag: str
+) -> tuple[float, float, int]:
+    """`sessions` at once, `turns` each: (turns per server CPU second, wall turns/s, errors)."""
+    group = [new_session(f"{tag}-c{history}-{i}", history, texts) for i in range(sessions)]
+    limits = httpx.Limits(max_connections=sessions, max_keepalive_connections=sessions)
+    errors = 0
+    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+
+        async def one(session: Session) -> None:
+            response = await client.post(chat_url(server, session), json=session.body(texts))
+            response.raise_for_status()
+            session.answered(response.json())
+
+        await asyncio.gather(*(one(s) for s in group))  # first turns: not measured
+        ticks = server.cpu_ticks()
+        started = time.perf_counter()
+
+        async def run(session: Session) -> None:
+            nonlocal errors
+            for _ in range(turns):
+                try:
+                    await one(session)
+                except httpx.HTTPError:
+                    errors += 1
+
+        await asyncio.gather(*(run(s) for s in group))
+        wall = time.perf_counter() - started
+        cpu = (server.cpu_ticks() - ticks) / TICKS
+    done = sessions * turns - errors
+    return done / cpu, done / wall, errors
+
+
+@dataclass
+class Burst:
+    sessions: int
+    turns: int = 0
+    answered: int = 0
+    statuses: Counter[str] = field(default_factory=Counter)
+    closed: int = 0
+    other_errors: Counter[str] = field(default_factory=Counter)
+    marked_down: int = 0
+    wall_s: float = 0.0
+
+
+async def burst(server: Server, texts: Texts, sessions: int, turns: int) -> Burst:
+    """All sessions start at once (an RL step launching its rollouts), `turns` turns each."""
+    group = [new_session(f"burst-{i}", 300, texts) for i in range(sessions)]
+    result = Burst(sessions, sessions * turns)
+    marked_before = server.marked_down()
+    limits = httpx.Limits(max_connections=sessions, max_keepalive_connections=sessions)
+    timeout = httpx.Timeout(300, connect=60, pool=300)
+    started = time.perf_counter()
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+
+        async def run(session: Session) -> None:
+            for _ in range(turns):
+                try:
+                    response = await client.post(
+                        chat_url(server, session), json=session.body(texts)
+                    )
+                except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+                    result.closed += 1
+                    result.other_errors[type(exc).__name__] += 1
+                    return
+                except httpx.HTTPError as exc:
+                    result.other_errors[type(exc).__name__] += 1
+                    return
+                result.statuses[str(response.status_code)] += 1
+                if response.status_code != 200:
+                    return
+                result.answered += 1
+                session.answered(response.json())
+
+        await asyncio.gather(*(run(s) for s in group))
+    result.wall_s = time.perf_counter() - started
+    result.marked_down = server.marked_down() - marked_before
+    return result
+
+
+def added_ttft(
+    server: Server, engine_url: str, texts: Texts, history: int, samples: int
+) -> tuple[float, float, float]:
+    """(tokenkeep TTFT p50, engine-double TTFT p50, paired added p50) in ms."""
+    session = new_session(f"ttft-h{history}", history, texts)
+    ours: list[float] = []
+    theirs: list[float] = []
+    with httpx.Client(timeout=120) as client:
+        reply = turn(client, server, session, texts)
+        prompt = [1000 + (k % 5000) for k in range(reply["usage"]["prompt_tokens"] + 40)]
+        engine_body = {
+            "model": "tokenkeep-tiny-qwen3",
+            "token_ids": prompt,
+            "sampling_params": {"max_tokens": 16, "logprobs": 0},
+            "return_token_ids": True,
+            "stream": True,
+        }
+        for _ in range(samples + 2):
+            body = session.body(texts, stream=True)
+            started = time.perf_counter()
+            first = None
+            content: list[str] = []
+            with client.stream("POST", chat_url(server, session), json=body) as response:
+                response.raise_for_status()
+                for line in response.iter_lines():
+                    if not line.startswith("data: {"):
+                        continue
+                    chunk = json.loads(line[6:])
+                    for choice in chunk.get("choices", ()):
+                        text = choice.get("delta", {}).get("content")
+                        if text:
+                            first = first or time.perf_counter()
+                            content.append(text)
+            ours.append((first or time.perf_counter()) - started)
+            session.messages.append({"role": "assistant", "content": "".join(content)})
+            started = time.perf_counter()
+            first = None
+            with client.stream(
+                "POST", engine_url + "/inference/v1/generate", json=engine_body
+            ) as response:
+                for line in response.iter_lines():
+                    if first is None and line.startswith("data: {"):
+                        first = time.perf_counter()
+            theirs.append((first or time.perf_counter()) - started)
+    ours, theirs = ours[2:], theirs[2:]
+    added = [(a - b) * 1000 for a, b in zip(ours, theirs, strict=True)]
+    return (
+        statistics.median(ours) * 1000,
+        statistics.median(theirs) * 1000,
+        statistics.median(added),
+    )
+
+
+# --- report -----------------------------------------------------------------------------
+
+
+def run_store(
+    store: str, engine_url: str, redis_url: str | None, workdir: Path, args: argparse.Namespace
+) -> dict[str, Any]:
+    texts = Texts()
+    server = start_server(engine_url, redis_url, workdir)
+    out: dict[str, Any] = {"store": store}
+    try:
+        out["per_turn"] = [
+            per_turn_cpu(server, texts, h, args.sessions, args.turns, store) for h in HISTORIES
+        ]
+        out["throughput"] = {
+            h: asyncio.run(concurrent_turns(server, texts, h, args.concurrency, 6, store))
+            for h in (1_000, 32_000)
+        }
+        out["ttft"] = {
+            h: added_ttft(server, engine_url, texts, h, args.ttft) for h in (1_000, 32_000)
+        }
+        if store == "memory" or args.burst_redis:
+            out["burst"] = asyncio.run(burst(server, texts, args.burst, 2))
+    finally:
+        stop(server.proc)
+    return out
+
+
+def report(results: list[dict[str, Any]], label: str, concurrency: int) -> str:
+    now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        f"## {label}",
+        "",
+        f"Run {now} on {platform.machine()}, CPython {platform.python_version()}, "
+        f"{os.cpu_count()} cores shared with 7 other busy worktrees (absolute figures are "
+        "noisy; compare rows of one run).",
+        "",
+        "Server CPU per turn (sequential turns, 30-token user message, 7-token reply):",
+        "",
+        "| store | history | prompt tokens | CPU p50 ms | CPU p95 ms | CPU mean ms | 128k/1k p50 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        base = statistics.median(r["per_turn"][0].cpu_ms)
+        for p in r["per_turn"]:
+            p50 = statistics.median(p.cpu_ms)
+            ratio = f"{p50 / base:.2f}x" if p.history == HISTORIES[-1] else ""
+            lines.append(
+                f"| {r['store']} | {p.history // 1000}k | {p.prompt_tokens} | {p50:.2f} | "
+                f"{pct(p.cpu_ms, 0.95):.2f} | {p.mean_ms:.2f} | {ratio} |"
+            )
+    lines += [
+        "",
+        f"Throughput ({concurrency} sessions at once, 6 turns each):",
+        "",
+        "| store | history | turns per server CPU second | wall turns/s | errors |",
+        "|---|---|---|---|---|",
+    ]
+    for r in results:
+        for h, (per_core, wall, errors) in r["throughput"].items():
+            lines.append(
+                f"| {r['store']} | {h // 1000}k | {per_core:.0f} | {wall:.0f} | {errors} |"
+            )
+    lines += [
+        "",
+        "Added time to first token, streaming (p50 ms, paired):",
+        "",
+        "| store | history | through tokenkeep | engine double alone | added |",
+        "|---|---|---|---|---|",
+    ]
+    for r in results:
+        for h, (ours, theirs, added) in r["ttft"].items():
+            lines.append(
+                f"| {r['store']} | {h // 1000}k | {ours:.2f} | {theirs:.2f} | {added:.2f} |"
+            )
+    lines += [
+        "",
+        "Burst (all sessions start at once, 2 turns each, one engine, one server):",
+        "",
+        "| store | sessions | turns | answered 200 | statuses | closed without response | "
+        "other errors | engine marked down | wall s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        b: Burst | None = r.get("burst")
+        if b is None:
+            continue
+        lines.append(
+            f"| {r['store']} | {b.sessions} | {b.turns} | {b.answered} | "
+            f"{dict(b.statuses)} | {b.closed} | {dict(b.other_errors) or 0} | "
+            f"{b.marked_down} | {b.wall_s:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine-double", help=argparse.SUPPRESS)  # child process mode
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--label", default="tokenkeep serve")
+    parser.add_argument("--stores", default="memory,redis")
+    parser.add_argument("--sessions", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=96, help="measured turns per history")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--ttft", type=int, default=30, help="streamed turns per history")
+    parser.add_argument("--burst", type=int, default=1024)
+    parser.add_argument("--burst-redis", action="store_true")
+    args = parser.parse_args()
+    if args.engine_double:
+        _engine_double_main(args.engine_double)
+        return
+    workdir = Path(tempfile.mkdtemp(prefix="tokenkeep-bench-served-"))
+    port_file = workdir / "engine-port"
+    engine = subprocess.Popen([sys.executable, __file__, "--engine-double", str(port_file)])
+    redis_proc = None
+    results = []
+    try:
+        deadline = time.monotonic() + 60
+        while not port_file.exists() or not port_file.read_text():
+            if engine.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("engine double did not start")
+            time.sleep(0.1)
+        engine_url = f"http://127.0.0.1:{port_file.read_text()}"
+        for store in args.stores.split(","):
+            redis_url = None
+            if store == "redis":
+                redis_proc, redis_url = start_redis_server(workdir)
+            try:
+                results.append(run_store(store, engine_url, redis_url, workdir, args))
+            finally:
+                if redis_proc is not None:
+                    stop_redis_server(redis_proc)
+                    redis_proc = None
+    finally:
+        stop(engine)
+        shutil.rmtree(workdir, ignore_errors=True)
+    text = report(results, args.label, args.concurrency)
+    print(text)
+    if args.out:
+        with args.out.open("a") as fh:
+            fh.write("\n" + text)
+
+
+if __name__ == "__main__":
+    main()
