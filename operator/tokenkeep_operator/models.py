@@ -270,6 +270,7 @@ class ModelServerStatus(CRDModel):
     observed_generation: int | None = None
     replicas: int = 0
     ready_replicas: int = 0
+    available_replicas: int = 0
     selector: str | None = Field(None, description="Label selector of the pods (for autoscalers).")
     url: str | None = Field(None, description="OpenAI-compatible base URL of the engine Service.")
     conditions: list[Condition] = Field(default_factory=list)
@@ -279,6 +280,7 @@ class SessionServerStatus(CRDModel):
     observed_generation: int | None = None
     replicas: int = 0
     ready_replicas: int = 0
+    available_replicas: int = 0
     url: str | None = None
     session_url_template: str | None = Field(
         None, description="OpenAI base URL of one session: replace {session_id}."
