@@ -241,3 +241,200 @@ def test_hand_edits_are_undone_and_idle_makes_no_writes(
     assert after == before
     assert admin.get(ms_path(ns, "qwen3-8b"))["metadata"]["resourceVersion"] == ms_before
     assert cluster.write_count(OPERATOR_WRITES) == writes
+
+
+def condition_of(obj: dict[str, Any] | None, type_: str) -> dict[str, Any]:
+    found = ((obj or {}).get("status") or {}).get("conditions") or []
+    return next(c for c in found if c["type"] == type_)
+
+
+def test_a_refused_child_blocks_nothing_and_is_retried(
+    admin: Api, ns: str, operator: OperatorProcess
+) -> None:
+    """A quota refuses Services: everything else is applied, Degraded names the Service
+    with the API server's message, and once the quota goes the retry creates it."""
+    quota = {"metadata": {"name": "no-services"}, "spec": {"hard": {"services": "0"}}}
+    admin.create(path("v1", "resourcequotas", ns), quota)
+    eventually(lambda: admin.get(path("v1", "resourcequotas", ns, "no-services"))["status"]["hard"])
+    create_example(admin, ns, "modelserver-qwen3-8b.yaml")
+    degraded = eventually(
+        lambda: (
+            (c := condition_of(admin.get(ms_path(ns, "qwen3-8b")), "Degraded"))["reason"]
+            == "ApplyFailed"
+            and c
+        )
+    )
+    assert "Service qwen3-8b-engine:" in degraded["message"]
+    assert "exceeded quota" in degraded["message"], degraded
+    assert deployment(admin, ns, "qwen3-8b-engine") is not None
+    ms = admin.get(ms_path(ns, "qwen3-8b"))
+    assert set(conditions(ms)) == {"Ready", "Progressing", "Degraded"}
+    assert ms["status"]["url"]
+    admin.delete(path("v1", "resourcequotas", ns, "no-services"))
+    eventually(lambda: admin.get(path("v1", "services", ns, "qwen3-8b-engine")), timeout=40)
+    eventually(
+        lambda: condition_of(admin.get(ms_path(ns, "qwen3-8b")), "Degraded")["status"] == "False",
+        timeout=10,
+    )
+    kinds = [(e[0], e[1]) for e in events(admin, ns, "qwen3-8b")]
+    assert kinds.count(("Warning", "ApplyFailed")) == 1, kinds
+
+
+def test_owner_references_change_under_owner_reference_enforcement(
+    admin: Api, ns: str, operator: OperatorProcess
+) -> None:
+    """Flipping cache.retain drops and restores the claim's owner reference: the chart's
+    RBAC must allow it where OwnerReferencesPermissionEnforcement is on."""
+    create_example(admin, ns, "modelserver-qwen3-8b.yaml")
+    claim_url = path("v1", "persistentvolumeclaims", ns, "qwen3-8b-model-cache")
+    eventually(lambda: admin.get(claim_url)["metadata"]["ownerReferences"])
+    admin.patch(ms_path(ns, "qwen3-8b"), {"spec": {"cache": {"retain": True}}})
+    eventually(lambda: not admin.get(claim_url)["metadata"].get("ownerReferences"), timeout=10)
+    admin.patch(ms_path(ns, "qwen3-8b"), {"spec": {"cache": {"retain": False}}})
+    eventually(lambda: admin.get(claim_url)["metadata"].get("ownerReferences"), timeout=10)
+    assert condition_of(admin.get(ms_path(ns, "qwen3-8b")), "Degraded")["status"] == "False"
+
+
+def unschedulable(message: str) -> dict[str, Any]:
+    return {
+        "phase": "Pending",
+        "conditions": [
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": message,
+            }
+        ],
+    }
+
+
+def test_claims_are_waited_for_until_the_scheduler_says_they_block(
+    admin: Api, ns: str, operator: OperatorProcess
+) -> None:
+    """Pending claims with Pending pods (a WaitForFirstConsumer class before scheduling) are
+    waiting, not Degraded; the scheduler refusing a pod for an unbound claim is. Both for
+    the model cache and for the Redis claim."""
+    create_example(admin, ns, "modelserver-qwen3-8b.yaml")
+    create_example(admin, ns, "sessionserver.yaml")
+    ms = eventually(
+        lambda: (
+            (m := admin.get(ms_path(ns, "qwen3-8b")))
+            and condition_of(m, "Ready")["reason"] == "WaitingForVolume"
+            and m
+        )
+    )
+    assert condition_of(ms, "Degraded")["status"] == "False"
+    ss = eventually(
+        lambda: (
+            (s := admin.get(ss_path(ns, "rollouts")))
+            and condition_of(s, "Ready")["reason"] == "RedisNotReady"
+            and "data-rollouts-redis-0" in condition_of(s, "Ready")["message"]
+            and s
+        )
+    )
+    assert condition_of(ss, "Degraded")["status"] == "False"
+
+    message = "0/3 nodes are available: 3 pod has unbound immediate PersistentVolumeClaims."
+    for selector in (
+        "app.kubernetes.io/instance=qwen3-8b,app.kubernetes.io/component=engine",
+        "app.kubernetes.io/instance=rollouts,app.kubernetes.io/name=redis",
+    ):
+        pods = eventually(
+            lambda selector=selector: admin.items(path("v1", "pods", ns), labelSelector=selector)
+        )
+        for pod in pods:
+            url = path("v1", "pods", ns, pod["metadata"]["name"]) + "/status"
+            admin.patch(url, {"status": unschedulable(message)})
+    eventually(
+        lambda: (
+            condition_of(admin.get(ms_path(ns, "qwen3-8b")), "Degraded")["reason"] == "PVCPending"
+        )
+    )
+    degraded = eventually(
+        lambda: (
+            (c := condition_of(admin.get(ss_path(ns, "rollouts")), "Degraded"))["reason"]
+            == "PVCPending"
+            and c
+        )
+    )
+    assert degraded["message"].startswith("Redis: ")
+
+
+def test_invalid_specs_are_reported_in_field_paths(
+    admin: Api, ns: str, operator: OperatorProcess
+) -> None:
+    """A rule 1.20 cannot enforce (CEL) is enforced by the operator: InvalidSpec on every
+    condition, the resource's own field path, no children, one Warning."""
+    create_example(
+        admin,
+        ns,
+        "modelserver-qwen3-8b.yaml",
+        resources={"gpus": 3},
+        engine={"tensorParallelSize": 2},
+    )
+    ms = eventually(
+        lambda: (
+            (m := admin.get(ms_path(ns, "qwen3-8b")))
+            and condition_of(m, "Ready")["reason"] == "InvalidSpec"
+            and m
+        )
+    )
+    assert conditions(ms) == {
+        t: (s, "InvalidSpec")
+        for t, s in [("Ready", "False"), ("Progressing", "False"), ("Degraded", "True")]
+    }
+    message = condition_of(ms, "Degraded")["message"]
+    assert message.startswith("spec.resources.gpus: "), message
+    assert "Value error" not in message
+    assert children(admin, ns) == {}
+    assert [e[:2] for e in events(admin, ns, "qwen3-8b")] == [("Warning", "InvalidSpec")]
+
+
+def test_a_failed_status_write_is_an_event_and_retried(
+    cluster: Cluster, admin: Api, ns: str, operator: OperatorProcess
+) -> None:
+    role_url = path("rbac.authorization.k8s.io/v1", "clusterroles", None, "tk-tokenkeep")
+    role = admin.get(role_url)
+    rules = role["rules"]
+    without_status = [r for r in rules if not any(x.endswith("/status") for x in r["resources"])]
+    admin.patch(role_url, {"rules": without_status})
+    try:
+        create_example(admin, ns, "modelserver-qwen3-8b.yaml")
+        warning = eventually(
+            lambda: [e for e in events(admin, ns, "qwen3-8b") if e[1] == "StatusWriteFailed"]
+        )
+        assert warning[0][0] == "Warning"
+        assert "forbidden" in warning[0][2]
+        assert deployment(admin, ns, "qwen3-8b-engine") is not None
+    finally:
+        admin.patch(role_url, {"rules": rules})
+    eventually(lambda: admin.get(ms_path(ns, "qwen3-8b")).get("status"), timeout=40)
+
+
+def test_a_second_operator_stays_passive_until_the_first_stops(
+    cluster: Cluster,
+    admin: Api,
+    ns: str,
+    operator: OperatorProcess,
+    operator_kubeconfig: Path,
+    tmp_path: Path,
+) -> None:
+    """Runs last: it stops the module's operator."""
+    standby = OperatorProcess(operator_kubeconfig, tmp_path / "standby.log").start()
+    try:
+        eventually(lambda: "standby: lease" in standby.output(), timeout=60)
+        create_example(admin, ns, "modelserver-qwen3-8b.yaml")
+        eventually(lambda: deployment(admin, ns, "qwen3-8b-engine"))
+        assert "leading" not in standby.output()
+        assert operator.stop() == 0
+        eventually(lambda: "leading" in standby.output(), timeout=20)
+        admin.patch(
+            path("apps/v1", "deployments", ns, "qwen3-8b-engine"), {"spec": {"replicas": 5}}
+        )
+        eventually(
+            lambda: deployment(admin, ns, "qwen3-8b-engine")["spec"]["replicas"] == 1, timeout=10
+        )
+    finally:
+        assert standby.stop() == 0, standby.output()
+    assert "Traceback" not in standby.output(), standby.output()
