@@ -34,6 +34,16 @@ class CRDKind:
     status: type[BaseModel]
     printer_columns: list[dict[str, Any]]
     scale: bool
+    description: str
+    spec_description: str
+
+
+API_VERSION_DOC = f"{models.API_VERSION}."
+KIND_DOC = "The kind of this resource."
+STATUS_DOC = (
+    "Written by the operator: observedGeneration, url, replica counts and the Ready, "
+    "Progressing and Degraded conditions (always all three)."
+)
 
 
 def _ready_column(name: str, field: str) -> dict[str, Any]:
@@ -61,6 +71,11 @@ KINDS = [
             {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
         ],
         scale=True,
+        description=(
+            "A pool of vLLM replicas serving one model, with the token-in endpoint the "
+            "session server uses."
+        ),
+        spec_description="What to serve and how: the model, its cache, the engine, GPUs.",
     ),
     CRDKind(
         kind="SessionServer",
@@ -77,6 +92,11 @@ KINDS = [
             {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
         ],
         scale=False,
+        description=(
+            "`tokenkeep serve` in front of one ModelServer: token-exact multi-turn sessions, "
+            "stored in Redis."
+        ),
+        spec_description="The ModelServer to front, replicas, Redis and session settings.",
     ),
 ]
 
@@ -144,9 +164,18 @@ def to_structural(model: type[BaseModel]) -> dict[str, Any]:
 def render_crd(kind: CRDKind) -> dict[str, Any]:
     spec_schema = to_structural(kind.spec)
     status_schema = to_structural(kind.status)
-    name_rule = {
-        "rule": f"self.metadata.name.size() <= {models.MAX_NAME_LENGTH}",
-        "message": f"metadata.name must be at most {models.MAX_NAME_LENGTH} characters",
+    # Children append suffixes to the name and Service names are DNS labels: the schema
+    # states the limit (the operator checks it too, for servers that predate this).
+    # (Kubernetes allows nothing else on metadata: `kubectl explain` shows ObjectMeta's docs.)
+    metadata = {
+        "type": "object",
+        "properties": {
+            "name": {
+                "type": "string",
+                "maxLength": models.MAX_NAME_LENGTH,
+                "description": f"At most {models.MAX_NAME_LENGTH} characters.",
+            }
+        },
     }
     version: dict[str, Any] = {
         "name": models.VERSION,
@@ -155,23 +184,20 @@ def render_crd(kind: CRDKind) -> dict[str, Any]:
         "schema": {
             "openAPIV3Schema": {
                 "type": "object",
-                "description": (kind.spec.__doc__ or "").strip() or None,
+                "description": kind.description,
                 "required": ["spec"],
                 "properties": {
-                    "apiVersion": {"type": "string"},
-                    "kind": {"type": "string"},
-                    "metadata": {"type": "object"},
-                    "spec": spec_schema,
-                    "status": status_schema,
+                    "apiVersion": {"type": "string", "description": API_VERSION_DOC},
+                    "kind": {"type": "string", "description": KIND_DOC},
+                    "metadata": metadata,
+                    "spec": {**spec_schema, "description": kind.spec_description},
+                    "status": {**status_schema, "description": STATUS_DOC},
                 },
-                "x-kubernetes-validations": [name_rule],
             }
         },
         "subresources": {"status": {}},
         "additionalPrinterColumns": kind.printer_columns,
     }
-    if version["schema"]["openAPIV3Schema"]["description"] is None:
-        del version["schema"]["openAPIV3Schema"]["description"]
     if kind.scale:
         version["subresources"]["scale"] = {
             "specReplicasPath": ".spec.replicas",

@@ -1,17 +1,23 @@
-"""Kopf handlers: thin bindings from watch events to `Reconciler` methods.
+"""Kopf handlers: thin bindings from watch events to the work queue.
 
-The custom resources are reconciled on create, update and resume; their status is refreshed
-whenever a child they own changes (Deployments, StatefulSets, pods, claims: found through the
-owner label every child and pod carries). No finalizers: every child is garbage-collected
-through its owner reference, so deleting a resource never waits for the operator. (That is
-also why there are no Kopf timers here: Kopf puts a finalizer on every resource a timer runs
-for.)
+Every event of a ModelServer or SessionServer, and of any child the operator owns (found by
+the owner label every child and pod carries), queues a reconcile of its owner: the children
+are re-applied where they differ from the rendering (so a hand edit or a deleted child is
+undone within seconds) and the status is recomputed. The queue debounces bursts and retries
+failures with backoff (see `workqueue.py`).
+
+No finalizers: every child is garbage-collected through its owner reference, so deleting a
+resource never waits for the operator. (That is also why there are no Kopf timers or
+create/update handlers here: timers put a finalizer on every resource, and create/update
+handlers write their progress into the resource.)
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+from collections.abc import Hashable
 from typing import Any
 
 import kopf
@@ -20,28 +26,28 @@ from tokenkeep_operator import __version__
 from tokenkeep_operator.kube import Kube, load_config
 from tokenkeep_operator.manifests.common import MANAGED_BY
 from tokenkeep_operator.models import GROUP, VERSION
-from tokenkeep_operator.reconcile import ApplyError, Reconciler
+from tokenkeep_operator.reconcile import Reconciler
+from tokenkeep_operator.workqueue import WorkQueue
 
 MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY}
 OWNER_LABELS = {f"{GROUP}/modelserver": "ModelServer", f"{GROUP}/sessionserver": "SessionServer"}
-APPLY_RETRY_SECONDS = 60
-
-
-def _post_event(obj: dict[str, Any], type_: str, reason: str, message: str) -> None:
-    kopf.event(obj, type=type_, reason=reason, message=message[:1024])
+# Seconds of quiet before a burst of child events becomes one reconcile.
+DEBOUNCE_SECONDS = float(os.environ.get("TOKENKEEP_OPERATOR_DEBOUNCE_SECONDS", "1"))
 
 
 @kopf.on.startup()
 def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    # Handler progress in annotations, so that status holds only what the CRD schema declares.
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=GROUP, key="last-handled-configuration"
-    )
-    # Kopf would post an event per handler log line; the conditions' events are enough.
-    settings.posting.level = logging.WARNING
+    # The operator posts its own Events (one per change of state); Kopf's only for errors.
+    settings.posting.level = logging.ERROR
     image = os.environ.get("TOKENKEEP_IMAGE") or f"tokenkeep/tokenkeep:{__version__}"
-    memo.reconciler = Reconciler(Kube(load_config()), _post_event, default_image=image)
+    reconciler = Reconciler(Kube(load_config()), default_image=image)
+
+    def work(key: Hashable) -> None:
+        kind, namespace, name = key  # type: ignore[misc]
+        reconciler.reconcile(kind, namespace, name)
+
+    memo.reconciler = reconciler
+    memo.queue = WorkQueue(work, debounce=DEBOUNCE_SECONDS)
 
 
 @kopf.on.login()
@@ -51,44 +57,34 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
     return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
 
 
-def _reconcile(action: Any, namespace: str, name: str) -> None:
-    try:
-        action(namespace, name)
-    except ApplyError as error:
-        # Already recorded as Degraded/ApplyFailed; try again later rather than hot-looping.
-        raise kopf.TemporaryError(str(error), delay=APPLY_RETRY_SECONDS) from error
-
-
-@kopf.on.resume(GROUP, VERSION, "modelservers")
-@kopf.on.create(GROUP, VERSION, "modelservers")
-@kopf.on.update(GROUP, VERSION, "modelservers")
-def model_server_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
-    _reconcile(memo.reconciler.reconcile_model_server, namespace, name)
-
-
-@kopf.on.resume(GROUP, VERSION, "sessionservers")
-@kopf.on.create(GROUP, VERSION, "sessionservers")
-@kopf.on.update(GROUP, VERSION, "sessionservers")
-def session_server_changed(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
-    _reconcile(memo.reconciler.reconcile_session_server, namespace, name)
+# The handlers are coroutines: the queue lives on Kopf's event loop.
 
 
 @kopf.on.event(GROUP, VERSION, "modelservers")
-def model_server_event(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+async def model_server_event(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
     """A SessionServer follows its ModelServer: one created late unblocks it, a changed
     served name reconfigures it, and its readiness explains the session server's."""
-    for session_server in memo.reconciler.session_servers_using(namespace, name):
-        _reconcile(memo.reconciler.reconcile_session_server, namespace, session_server)
+    memo.queue.add(("ModelServer", namespace, name))
+    users = await asyncio.to_thread(memo.reconciler.session_servers_using, namespace, name)
+    for session_server in users:
+        memo.queue.add(("SessionServer", namespace, session_server))
+
+
+@kopf.on.event(GROUP, VERSION, "sessionservers")
+async def session_server_event(namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
+    memo.queue.add(("SessionServer", namespace, name))
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=MANAGED)
 @kopf.on.event("apps", "v1", "statefulsets", labels=MANAGED)
 @kopf.on.event("v1", "pods", labels=MANAGED)
 @kopf.on.event("v1", "persistentvolumeclaims", labels=MANAGED)
-def child_changed(labels: dict[str, str], namespace: str, memo: kopf.Memo, **_: Any) -> None:
+@kopf.on.event("v1", "services", labels=MANAGED)
+@kopf.on.event("v1", "configmaps", labels=MANAGED)
+@kopf.on.event("v1", "serviceaccounts", labels=MANAGED)
+@kopf.on.event("policy", "poddisruptionbudgets", labels=MANAGED)
+async def child_changed(labels: dict[str, str], namespace: str, memo: kopf.Memo, **_: Any) -> None:
     for label, kind in OWNER_LABELS.items():
         owner = labels.get(label)
-        if owner and kind == "ModelServer":
-            memo.reconciler.refresh_model_server(namespace, owner)
-        elif owner:
-            memo.reconciler.refresh_session_server(namespace, owner)
+        if owner:
+            memo.queue.add((kind, namespace, owner))

@@ -4,7 +4,11 @@ client's authenticated `ApiClient` (so in-cluster and kubeconfig logins both wor
 from __future__ import annotations
 
 import json
+import logging
 import os
+import threading
+import time
+from datetime import UTC, datetime
 from typing import Any
 
 from kubernetes import client, config
@@ -15,6 +19,7 @@ PLURALS = {
     "ConfigMap": "configmaps",
     "Deployment": "deployments",
     "Event": "events",
+    "Lease": "leases",
     "ModelServer": "modelservers",
     "PersistentVolumeClaim": "persistentvolumeclaims",
     "Pod": "pods",
@@ -25,6 +30,20 @@ PLURALS = {
     "StatefulSet": "statefulsets",
 }
 MERGE_PATCH = "application/merge-patch+json"
+# How long what the API server serves (discovery) is trusted before asking again.
+DISCOVERY_TTL_SECONDS = 300
+COMPONENT = "tokenkeep-operator"
+
+logger = logging.getLogger(__name__)
+
+
+def error_message(error: client.ApiException) -> str:
+    """The API server's own message (from its Status body), else the HTTP reason."""
+    try:
+        message = json.loads(error.body or "{}").get("message")
+    except (ValueError, AttributeError):
+        message = None
+    return message or f"{error.status} {error.reason}"
 
 
 def load_config() -> client.ApiClient:
@@ -53,6 +72,8 @@ class Kube:
 
     def __init__(self, api_client: client.ApiClient) -> None:
         self._api = api_client
+        self._served: dict[str, tuple[float, set[str]]] = {}
+        self._served_lock = threading.Lock()
 
     def _call(
         self,
@@ -111,6 +132,12 @@ class Kube:
         path = resource_path(api_version, kind, namespace, name, sub)
         return self._call("PATCH", path, body=patch, content_type=MERGE_PATCH)
 
+    def replace(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """PUT: fails with 409 unless `obj` carries the live resourceVersion."""
+        meta = obj["metadata"]
+        path = resource_path(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+        return self._call("PUT", path, body=obj)
+
     def get_custom(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         return self.get(API_VERSION, kind, namespace, name)
 
@@ -118,3 +145,51 @@ class Kube:
         self, kind: str, namespace: str, name: str, status: dict[str, Any]
     ) -> dict[str, Any]:
         return self.patch(API_VERSION, kind, namespace, name, {"status": status}, sub="status")
+
+    def served(self, api_version: str, kind: str) -> bool:
+        """Whether the API server serves `kind` in `api_version` (discovery, cached)."""
+        with self._served_lock:
+            checked, kinds = self._served.get(api_version, (0.0, set()))
+            if time.monotonic() - checked > DISCOVERY_TTL_SECONDS:
+                base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
+                try:
+                    found = self._call("GET", base)
+                    kinds = {r["kind"] for r in found.get("resources", [])}
+                except client.ApiException as error:
+                    if error.status != 404:
+                        raise
+                    kinds = set()
+                self._served[api_version] = (time.monotonic(), kinds)
+            return kind in kinds
+
+    def post_event(self, about: dict[str, Any], type_: str, reason: str, message: str) -> None:
+        """A core/v1 Event on `about`. Best effort: a failure is logged, never raised."""
+        meta = about["metadata"]
+        now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        event = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"generateName": f"{meta['name']}.", "namespace": meta["namespace"]},
+            "involvedObject": {
+                "apiVersion": about["apiVersion"],
+                "kind": about["kind"],
+                "name": meta["name"],
+                "namespace": meta["namespace"],
+                "uid": meta["uid"],
+                "resourceVersion": meta.get("resourceVersion"),
+            },
+            "type": type_,
+            "reason": reason,
+            "message": message[:1024],
+            "source": {"component": COMPONENT},
+            "reportingComponent": COMPONENT,
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        try:
+            self.create(event)
+        except client.ApiException as error:
+            logger.warning(
+                "event %s on %s not posted: %s", reason, meta["name"], error_message(error)
+            )

@@ -48,33 +48,43 @@ class CRDModel(BaseModel):
 class SecretKeyRef(CRDModel):
     """One key of a Secret in the resource's namespace."""
 
-    name: str = Field(min_length=1, max_length=253)
-    key: str = Field(min_length=1, max_length=253)
+    name: str = Field(min_length=1, max_length=253, description="Name of the Secret.")
+    key: str = Field(min_length=1, max_length=253, description="Key within the Secret.")
 
 
 class LocalObjectRef(CRDModel):
-    name: str = Field(min_length=1, max_length=253)
+    name: str = Field(min_length=1, max_length=253, description="Name of the ModelServer.")
 
 
 class EnvVar(CRDModel):
-    name: str = Field(min_length=1, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
-    value: str = ""
+    name: str = Field(
+        min_length=1, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$", description="Variable name."
+    )
+    value: str = Field("", description="Variable value.")
 
 
 class ResourceRequirements(CRDModel):
     """Requests and limits of a container, as in a Pod spec."""
 
-    requests: dict[str, Quantity] = Field(default_factory=dict)
-    limits: dict[str, Quantity] = Field(default_factory=dict)
+    requests: dict[str, Quantity] = Field(
+        default_factory=dict, description="Resources reserved for the container (cpu, memory)."
+    )
+    limits: dict[str, Quantity] = Field(
+        default_factory=dict, description="Most the container may use (cpu, memory)."
+    )
 
 
 class Scheduling(CRDModel):
     """Where the pods may run; passed through to the pod spec unchanged."""
 
-    node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[dict[str, Any]] = Field(default_factory=list)
-    affinity: dict[str, Any] | None = None
-    priority_class_name: str | None = None
+    node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Node labels the pods require (pod nodeSelector)."
+    )
+    tolerations: list[dict[str, Any]] = Field(
+        default_factory=list, description="Pod tolerations, e.g. for tainted GPU nodes."
+    )
+    affinity: dict[str, Any] | None = Field(None, description="Pod affinity, as in a Pod spec.")
+    priority_class_name: str | None = Field(None, description="PriorityClass of the pods.")
 
 
 # --- ModelServer -------------------------------------------------------------------------
@@ -112,14 +122,20 @@ class ModelSource(CRDModel):
     @model_validator(mode="after")
     def _check_uri(self) -> ModelSource:
         if not re.match(MODEL_URI_PATTERN, self.uri):
-            raise ValueError("model.uri must be hf://ORG/NAME or pvc://CLAIM/PATH")
+            raise ValueError("uri: must be hf://ORG/NAME or pvc://CLAIM/PATH")
         return self
 
 
 class ModelCache(CRDModel):
-    enabled: bool = True
-    size: Quantity = "100Gi"
-    storage_class_name: str | None = None
+    """The PersistentVolumeClaim `<name>-model-cache` that holds downloads and compile caches."""
+
+    enabled: bool = Field(
+        True, description="A PVC at /cache (HF_HOME, VLLM_CACHE_ROOT); false: an emptyDir."
+    )
+    size: Quantity = Field("100Gi", description="Requested size of the cache PVC.")
+    storage_class_name: str | None = Field(
+        None, description="StorageClass of the cache PVC; the cluster default if unset."
+    )
     access_mode: Literal["ReadWriteOnce", "ReadWriteOncePod", "ReadWriteMany"] = Field(
         "ReadWriteOnce",
         description=(
@@ -131,24 +147,46 @@ class ModelCache(CRDModel):
 
 
 class Engine(CRDModel):
-    image: str = DEFAULT_VLLM_IMAGE
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
-    tensor_parallel_size: int = Field(1, ge=1, le=64)
-    max_model_len: int | None = Field(None, ge=1)
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """The vLLM server each replica runs (`vllm serve MODEL ...`)."""
+
+    image: str = Field(DEFAULT_VLLM_IMAGE, description="vLLM OpenAI server image.")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="Image pull policy of the vLLM container."
+    )
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="--tensor-parallel-size; gpus / tensorParallelSize > 1 becomes "
+        "--pipeline-parallel-size.",
+    )
+    max_model_len: int | None = Field(
+        None, ge=1, description="--max-model-len; the model's own if unset."
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0, le=1, description="--gpu-memory-utilization, in (0, 1]."
+    )
     tool_call_parser: str | None = Field(
         None, description="vLLM tool-call parser; also turns on --enable-auto-tool-choice."
     )
-    reasoning_parser: str | None = None
-    extra_args: list[str] = Field(default_factory=list)
-    env: list[EnvVar] = Field(default_factory=list)
+    reasoning_parser: str | None = Field(None, description="--reasoning-parser of vLLM.")
+    extra_args: list[str] = Field(
+        default_factory=list, description="Appended to the vLLM command line."
+    )
+    env: list[EnvVar] = Field(
+        default_factory=list, description="Extra environment of the vLLM container."
+    )
 
 
 class GPUResources(CRDModel):
+    """What each replica gets: GPUs (requests = limits), CPU, memory, shared memory."""
+
     gpus: int = Field(1, ge=1, le=64, description="GPUs per replica.")
-    gpu_resource_name: str = "nvidia.com/gpu"
-    cpu: Quantity | None = None
-    memory: Quantity | None = None
+    gpu_resource_name: str = Field(
+        "nvidia.com/gpu", description="Extended resource name the GPUs are requested as."
+    )
+    cpu: Quantity | None = Field(None, description="CPU request per replica.")
+    memory: Quantity | None = Field(None, description="Memory request (and limit) per replica.")
     shared_memory: Quantity = Field(
         "8Gi", description="Size of /dev/shm (NCCL needs it with tensor parallelism)."
     )
@@ -162,10 +200,10 @@ class ModelServerSpec(CRDModel):
         )
     )
 
-    model: ModelSource
-    cache: ModelCache = ModelCache()
-    engine: Engine = Engine()
-    resources: GPUResources = GPUResources()
+    model: ModelSource = Field(description="Which model to serve and where it comes from.")
+    cache: ModelCache = Field(ModelCache(), description=ModelCache.__doc__)
+    engine: Engine = Field(Engine(), description=Engine.__doc__)
+    resources: GPUResources = Field(GPUResources(), description=GPUResources.__doc__)
     replicas: int = Field(1, ge=0, description="Also settable through the scale subresource.")
     startup_timeout_seconds: int = Field(
         1800, ge=60, le=86400, description="How long a replica may take to load the model."
@@ -182,8 +220,8 @@ class ModelServerSpec(CRDModel):
     def _gpus_fit_tensor_parallel(self) -> ModelServerSpec:
         if self.resources.gpus % self.engine.tensor_parallel_size:
             raise ValueError(
-                f"resources.gpus ({self.resources.gpus}) must be a multiple of "
-                f"engine.tensorParallelSize ({self.engine.tensor_parallel_size})"
+                f"resources.gpus: {self.resources.gpus} is not a multiple of "
+                f"spec.engine.tensorParallelSize ({self.engine.tensor_parallel_size})"
             )
         return self
 
@@ -196,20 +234,31 @@ class ModelServerSpec(CRDModel):
 
 
 class ManagedRedis(CRDModel):
-    image: str = DEFAULT_REDIS_IMAGE
-    storage_size: Quantity = "10Gi"
-    storage_class_name: str | None = None
+    """A one-replica Redis StatefulSet the operator runs (append-only file on a PVC)."""
+
+    image: str = Field(DEFAULT_REDIS_IMAGE, description="Redis image.")
+    storage_size: Quantity = Field(
+        "10Gi", description="Size of the Redis PVC (fixed once the StatefulSet exists)."
+    )
+    storage_class_name: str | None = Field(
+        None, description="StorageClass of the Redis PVC; the cluster default if unset."
+    )
     retain: bool = Field(False, description="Keep the Redis PVC when the resource is deleted.")
-    resources: ResourceRequirements = ResourceRequirements(
-        requests={"cpu": "100m", "memory": "256Mi"}, limits={"memory": "2Gi"}
+    resources: ResourceRequirements = Field(
+        ResourceRequirements(requests={"cpu": "100m", "memory": "256Mi"}, limits={"memory": "2Gi"}),
+        description="Requests and limits of the Redis container.",
     )
 
 
 class ExternalRedis(CRDModel):
+    """A Redis the operator does not run."""
+
     url_secret_ref: SecretKeyRef = Field(description="Secret key holding redis://... or rediss://")
 
 
 class Redis(CRDModel):
+    """Where sessions are stored."""
+
     model_config = ConfigDict(
         json_schema_extra=cel(
             "self.mode != 'External' || has(self.external)",
@@ -217,29 +266,35 @@ class Redis(CRDModel):
         )
     )
 
-    mode: Literal["Managed", "External"] = "Managed"
-    managed: ManagedRedis = ManagedRedis()
-    external: ExternalRedis | None = None
+    mode: Literal["Managed", "External"] = Field(
+        "Managed", description="Managed: the operator runs Redis; External: spec.redis.external."
+    )
+    managed: ManagedRedis = Field(ManagedRedis(), description=ManagedRedis.__doc__)
+    external: ExternalRedis | None = Field(None, description=ExternalRedis.__doc__)
 
     @model_validator(mode="after")
     def _external_has_url(self) -> Redis:
         if self.mode == "External" and self.external is None:
-            raise ValueError("redis.external.urlSecretRef is required when redis.mode is External")
+            raise ValueError("external.urlSecretRef: required when spec.redis.mode is External")
         return self
 
 
 class SessionServerSpec(CRDModel):
     model_server_ref: LocalObjectRef = Field(description="The ModelServer in this namespace.")
-    replicas: int = Field(1, ge=0)
+    replicas: int = Field(1, ge=0, description="Session server replicas.")
     image: str | None = Field(None, description="Defaults to the operator's own image.")
-    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
+        "IfNotPresent", description="Image pull policy of the session server."
+    )
     tokenizer: str | None = Field(
         None,
         description="Tokenizer path or Hugging Face id; defaults to the model of an hf:// uri.",
     )
-    renderer: str = "auto"
-    redis: Redis = Redis()
-    session_ttl_seconds: int = Field(86400, ge=60)
+    renderer: str = Field("auto", description="Chat renderer (TOKENKEEP_RENDERER).")
+    redis: Redis = Field(Redis(), description=Redis.__doc__)
+    session_ttl_seconds: int = Field(
+        86400, ge=60, description="Idle sessions expire after this long."
+    )
     sampling_overrides: dict[str, Any] = Field(
         default_factory=dict,
         description="Sampling parameters that win over what harnesses send (e.g. temperature).",
@@ -247,10 +302,13 @@ class SessionServerSpec(CRDModel):
     api_key_secret_ref: SecretKeyRef | None = Field(
         None, description="Secret key holding the API key clients must present."
     )
-    resources: ResourceRequirements = ResourceRequirements(
-        requests={"cpu": "500m", "memory": "1Gi"}, limits={"memory": "4Gi"}
+    resources: ResourceRequirements = Field(
+        ResourceRequirements(requests={"cpu": "500m", "memory": "1Gi"}, limits={"memory": "4Gi"}),
+        description="Requests and limits of the session server container.",
     )
-    service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = Field(
+        "ClusterIP", description="Type of the `<name>-sessions` Service."
+    )
     scheduling: Scheduling = Scheduling()
 
 
@@ -258,29 +316,41 @@ class SessionServerSpec(CRDModel):
 
 
 class Condition(CRDModel):
-    type: str
-    status: Literal["True", "False", "Unknown"]
-    reason: str
-    message: str = ""
-    last_transition_time: str | None = None
-    observed_generation: int | None = None
+    type: str = Field(description="Ready, Progressing or Degraded.")
+    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    reason: str = Field(description="CamelCase cause (see the operator README).")
+    message: str = Field("", description="What happened, for people.")
+    last_transition_time: str | None = Field(None, description="When status last changed.")
+    observed_generation: int | None = Field(
+        None, description="The resource generation this condition describes."
+    )
 
 
 class ModelServerStatus(CRDModel):
-    observed_generation: int | None = None
-    replicas: int = 0
-    ready_replicas: int = 0
+    observed_generation: int | None = Field(
+        None, description="The generation the operator last acted on."
+    )
+    replicas: int = Field(0, description="Pods the Deployment made.")
+    ready_replicas: int = Field(0, description="Pods passing readiness.")
+    available_replicas: int = Field(0, description="Pods ready for minReadySeconds.")
     selector: str | None = Field(None, description="Label selector of the pods (for autoscalers).")
     url: str | None = Field(None, description="OpenAI-compatible base URL of the engine Service.")
-    conditions: list[Condition] = Field(default_factory=list)
+    conditions: list[Condition] = Field(
+        default_factory=list, description="Ready, Progressing and Degraded."
+    )
 
 
 class SessionServerStatus(CRDModel):
-    observed_generation: int | None = None
-    replicas: int = 0
-    ready_replicas: int = 0
-    url: str | None = None
+    observed_generation: int | None = Field(
+        None, description="The generation the operator last acted on."
+    )
+    replicas: int = Field(0, description="Pods the Deployment made.")
+    ready_replicas: int = Field(0, description="Pods passing readiness.")
+    available_replicas: int = Field(0, description="Pods ready for minReadySeconds.")
+    url: str | None = Field(None, description="Base URL of the session server Service.")
     session_url_template: str | None = Field(
         None, description="OpenAI base URL of one session: replace {session_id}."
     )
-    conditions: list[Condition] = Field(default_factory=list)
+    conditions: list[Condition] = Field(
+        default_factory=list, description="Ready, Progressing and Degraded."
+    )

@@ -1,8 +1,15 @@
-"""What the handlers do, without Kopf: read the resource, render its children, apply them,
-and recompute its status from what the cluster reports."""
+"""What the operator does, without Kopf: read the resource, render its children, apply the
+ones the API server serves, and recompute its status from what the cluster reports.
+
+One entry point per kind (`reconcile_model_server`, `reconcile_session_server`), run by the
+work queue for every event of the resource or of a child it owns: applying writes only what
+differs from the rendering (so a hand edit is undone and an unchanged cluster sees no write),
+and the status is written only when it changes, with one Event per change of state.
+"""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import defaultdict
 from collections.abc import Callable
@@ -10,30 +17,70 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kubernetes.client import ApiException
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from tokenkeep_operator import status as st
 from tokenkeep_operator.apply import apply
-from tokenkeep_operator.kube import Kube
+from tokenkeep_operator.kube import Kube, error_message
 from tokenkeep_operator.manifests import engine, redis, session
 from tokenkeep_operator.manifests.common import Owner, selector_string
-from tokenkeep_operator.models import API_VERSION, ModelServerSpec, SessionServerSpec
+from tokenkeep_operator.models import (
+    API_VERSION,
+    MAX_NAME_LENGTH,
+    ModelServerSpec,
+    SessionServerSpec,
+)
 
-# (object, event type, reason, message) -> posts a Kubernetes Event about `object`.
-EmitEvent = Callable[[dict[str, Any], str, str, str], None]
+logger = logging.getLogger(__name__)
+
+# Children the product ships but can do without where the API server does not serve their
+# API (a PodDisruptionBudget needs policy/v1, Kubernetes >= 1.21).
+OPTIONAL_KINDS = {"PodDisruptionBudget"}
 
 
 class ApplyError(Exception):
-    """The API server refused a child object; retrying will not help until something
-    changes (the message says what it refused)."""
+    """Some children could not be applied (already reported in status); try again later."""
 
 
-def describe_validation_error(error: ValidationError) -> str:
-    parts = []
-    for item in error.errors():
-        where = ".".join(str(p) for p in item["loc"])
-        parts.append(f"{where}: {item['msg']}" if where else item["msg"])
-    return "; ".join(parts)
+class StatusWriteError(Exception):
+    """The status could not be written (already reported as an Event); try again later."""
+
+
+def field_path(loc: tuple[int | str, ...], prefix: str = "spec") -> str:
+    path = prefix
+    for part in loc:
+        path += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return path
+
+
+def describe_validation_error(error: ValidationError, prefix: str = "spec") -> list[str]:
+    """Every error, each as `<field path in the resource>: <what is wrong>`. A validator that
+    checks several fields names the one at fault first (`field: message`)."""
+    described = []
+    for item in error.errors(include_url=False):
+        loc = tuple(item["loc"])
+        message = item["msg"].removeprefix("Value error, ")
+        head, sep, rest = message.partition(": ")
+        if sep and " " not in head:
+            loc, message = (*loc, *head.split(".")), rest
+        described.append(f"{field_path(loc, prefix)}: {message}")
+    return described
+
+
+def validate(model: type[BaseModel], body: dict[str, Any]) -> tuple[Any, list[str]]:
+    """The parsed spec (None if invalid) and every problem with the resource."""
+    problems = []
+    name = body["metadata"]["name"]
+    if len(name) > MAX_NAME_LENGTH:
+        problems.append(
+            f"metadata.name: {len(name)} characters, at most {MAX_NAME_LENGTH} allowed "
+            "(children add suffixes to it and Service names have at most 63)"
+        )
+    try:
+        spec = model.model_validate(body.get("spec") or {})
+    except ValidationError as error:
+        return None, problems + describe_validation_error(error)
+    return (None if problems else spec), problems
 
 
 def _now() -> str:
@@ -52,44 +99,92 @@ def _owner(body: dict[str, Any]) -> Owner:
     )
 
 
+def _transient(error: ApiException) -> bool:
+    return error.status is None or error.status >= 500 or error.status in (409, 429)
+
+
+def event_for(
+    new: list[dict[str, Any]], previous: list[dict[str, Any]]
+) -> tuple[str, str, str] | None:
+    """One Event per change of state: (type, reason, message), or None if nothing changed.
+    Warning only when the resource needs a person (Degraded turned True or changed reason);
+    everything else, including recovery, is Normal progress."""
+    changed = {c["type"]: c for c in st.changed_conditions(new, previous)}
+    if not changed:
+        return None
+    degraded = changed.get(st.DEGRADED)
+    if degraded and degraded["status"] == "True":
+        return "Warning", degraded["reason"], degraded["message"]
+    chosen = changed.get(st.READY) or changed.get(st.PROGRESSING) or degraded
+    assert chosen is not None
+    message = f"{chosen['type']} is {chosen['status']}"
+    if chosen["message"]:
+        message += f": {chosen['message']}"
+    return "Normal", chosen["reason"], message
+
+
 class Reconciler:
-    def __init__(
-        self,
-        kube: Kube,
-        emit: EmitEvent,
-        default_image: str,
-        clock: Callable[[], str] = _now,
-    ) -> None:
+    def __init__(self, kube: Kube, default_image: str, clock: Callable[[], str] = _now) -> None:
         self.kube = kube
-        self.emit = emit
         self.default_image = default_image
         self.clock = clock
         self._locks: defaultdict[tuple[str, str, str], threading.Lock] = defaultdict(threading.Lock)
         self._locks_guard = threading.Lock()
+        self._skipped: set[tuple[str, str]] = set()
 
     def _lock(self, kind: str, namespace: str, name: str) -> threading.Lock:
-        """One reconcile or status refresh per resource at a time, so that an older
-        observation never overwrites a newer one."""
+        """One reconcile per resource at a time, so that an older observation never
+        overwrites a newer one."""
         with self._locks_guard:
             return self._locks[(kind, namespace, name)]
 
-    def _apply_all(self, body: dict[str, Any], objects: list[dict[str, Any]]) -> None:
+    def reconcile(self, kind: str, namespace: str, name: str) -> None:
+        if kind == "ModelServer":
+            self.reconcile_model_server(namespace, name)
+        else:
+            self.reconcile_session_server(namespace, name)
+
+    def _apply_all(self, body: dict[str, Any], objects: list[dict[str, Any]]) -> list[str]:
+        """Apply every child that can be applied; a refused one does not stop the others.
+        Returns what the API server refused ("Kind name: its message"); raises on transient
+        errors after trying the rest."""
+        refused: list[str] = []
+        transient: ApiException | None = None
         for obj in objects:
+            if obj["kind"] in OPTIONAL_KINDS and not self.kube.served(
+                obj["apiVersion"], obj["kind"]
+            ):
+                self._skip_once(body, obj)
+                continue
             try:
                 apply(self.kube, obj)
             except ApiException as error:
-                if error.status is None or error.status >= 500 or error.status in (409, 429):
-                    raise  # transient: Kopf retries
-                message = f"{obj['kind']} {obj['metadata']['name']}: {error.reason}: {error.body}"
-                self._record_apply_failure(body, message)
-                raise ApplyError(message) from error
+                what = f"{obj['kind']} {obj['metadata']['name']}"
+                logger.warning(
+                    "%s/%s: %s: %s",
+                    body["kind"],
+                    body["metadata"]["name"],
+                    what,
+                    error_message(error),
+                )
+                if _transient(error):
+                    transient = error
+                else:
+                    refused.append(f"{what}: {error_message(error)}")
+        if transient is not None and not refused:
+            raise transient
+        return refused
 
-    def _record_apply_failure(self, body: dict[str, Any], message: str) -> None:
-        generation = body["metadata"].get("generation", 1)
-        conditions = list(body.get("status", {}).get("conditions", []))
-        failed = st.condition(st.DEGRADED, True, st.APPLY_FAILED, message, generation)
-        conditions = [c for c in conditions if c.get("type") != st.DEGRADED] + [failed]
-        self._write_status(body, {**body.get("status", {}), "conditions": conditions})
+    def _skip_once(self, body: dict[str, Any], obj: dict[str, Any]) -> None:
+        key = (body["metadata"]["uid"], obj["kind"])
+        if key in self._skipped:
+            return
+        self._skipped.add(key)
+        message = (
+            f"{obj['kind']} {obj['metadata']['name']} not created: this API server does not "
+            f"serve {obj['apiVersion']}"
+        )
+        self.kube.post_event(body, "Warning", "APINotServed", message)
 
     def _write_status(self, body: dict[str, Any], new: dict[str, Any]) -> None:
         previous = body.get("status") or {}
@@ -101,15 +196,29 @@ class Reconciler:
         if all(previous.get(k) == v for k, v in new.items()):
             return
         meta = body["metadata"]
-        self.kube.patch_status(body["kind"], meta["namespace"], meta["name"], new)
-        for cond in st.changed_conditions(new["conditions"], old_conditions):
-            healthy = (cond["type"] == st.DEGRADED) != (cond["status"] == "True")
-            if cond["type"] == st.PROGRESSING and cond["reason"] != st.ROLLOUT_STALLED:
-                healthy = True
-            message = f"{cond['type']} is {cond['status']}"
-            if cond["message"]:
-                message += f": {cond['message']}"
-            self.emit(body, "Normal" if healthy else "Warning", cond["reason"], message)
+        try:
+            self.kube.patch_status(body["kind"], meta["namespace"], meta["name"], new)
+        except ApiException as error:
+            if error.status == 404:
+                return  # deleted meanwhile: nothing to report on
+            message = f"status not written: {error_message(error)}"
+            self.kube.post_event(body, "Warning", "StatusWriteFailed", message)
+            raise StatusWriteError(message) from error
+        event = event_for(new["conditions"], old_conditions)
+        if event:
+            self.kube.post_event(body, *event)
+
+    def _finish(self, body: dict[str, Any], status: dict[str, Any], refused: list[str]) -> None:
+        if refused:
+            generation = body["metadata"].get("generation", 1)
+            failed = st.condition(
+                st.DEGRADED, True, st.APPLY_FAILED, "; ".join(refused), generation
+            )
+            conditions = [c for c in status["conditions"] if c["type"] != st.DEGRADED]
+            status = {**status, "conditions": [*conditions, failed]}
+        self._write_status(body, status)
+        if refused:
+            raise ApplyError("; ".join(refused))
 
     # --- ModelServer ---------------------------------------------------------------------
 
@@ -118,34 +227,26 @@ class Reconciler:
             body = self.kube.get_custom("ModelServer", namespace, name)
             if body is None:
                 return
-            try:
-                spec = ModelServerSpec.model_validate(body.get("spec") or {})
-            except ValidationError:
-                spec = None
+            spec, problems = validate(ModelServerSpec, body)
+            refused: list[str] = []
             if spec is not None:
-                self._apply_all(body, engine.render(_owner(body), spec))
-                body = self.kube.get_custom("ModelServer", namespace, name) or body
-            self._write_status(body, self.model_server_status(body))
+                refused = self._apply_all(body, engine.render(_owner(body), spec))
+            self._finish(body, self.model_server_status(body, spec, problems), refused)
 
-    def refresh_model_server(self, namespace: str, name: str) -> None:
-        with self._lock("ModelServer", namespace, name):
-            body = self.kube.get_custom("ModelServer", namespace, name)
-            if body is not None:
-                self._write_status(body, self.model_server_status(body))
-
-    def model_server_status(self, body: dict[str, Any]) -> dict[str, Any]:
+    def model_server_status(
+        self, body: dict[str, Any], spec: ModelServerSpec | None, problems: list[str]
+    ) -> dict[str, Any]:
         meta = body["metadata"]
         namespace, name, generation = meta["namespace"], meta["name"], meta.get("generation", 1)
-        previous = body.get("status") or {}
-        base = {"url": engine.service_url(name, namespace)}
-        try:
-            spec = ModelServerSpec.model_validate(body.get("spec") or {})
-        except ValidationError as error:
-            conditions = st.blocked_conditions(
-                st.INVALID_SPEC, describe_validation_error(error), generation
-            )
-            return {**base, "observedGeneration": generation, "conditions": conditions}
         owner = _owner(body)
+        base = {
+            "url": engine.service_url(name, namespace),
+            "selector": selector_string(engine.pod_selector(owner)),
+            "observedGeneration": generation,
+        }
+        if spec is None:
+            conditions = st.blocked_conditions(st.INVALID_SPEC, "; ".join(problems), generation)
+            return {**base, "conditions": conditions}
         deployment = self.kube.get("apps/v1", "Deployment", namespace, engine.deployment_name(name))
         pods = self.kube.list("v1", "Pod", namespace, selector_string(engine.pod_selector(owner)))
         claims = []
@@ -154,26 +255,15 @@ class Reconciler:
                 "v1", "PersistentVolumeClaim", namespace, engine.cache_claim_name(name)
             )
             claims = [claim] if claim else []
+        workload = st.Workload(deployment, pods, claims)
         conditions = st.workload_conditions(
-            st.Workload(deployment, pods, claims),
+            workload,
             spec.replicas,
             generation,
             what="vLLM",
             gpu_resource=spec.resources.gpu_resource_name,
         )
-        applied = st.rollout(deployment, spec.replicas).applied_generation if deployment else None
-        carried = st.carried_apply_failure(previous.get("conditions", []), applied, generation)
-        if carried:
-            conditions = [c for c in conditions if c["type"] != st.DEGRADED] + [carried]
-        state = st.rollout(deployment, spec.replicas) if deployment else None
-        return {
-            **base,
-            "observedGeneration": applied or previous.get("observedGeneration"),
-            "replicas": state.replicas if state else 0,
-            "readyReplicas": state.ready if state else 0,
-            "selector": selector_string(engine.pod_selector(owner)),
-            "conditions": conditions,
-        }
+        return {**base, **st.counts(workload), "conditions": conditions}
 
     # --- SessionServer -------------------------------------------------------------------
 
@@ -190,19 +280,16 @@ class Reconciler:
         """The parsed specs this SessionServer needs, or the conditions saying why not."""
         generation = body["metadata"].get("generation", 1)
         namespace = body["metadata"]["namespace"]
-        try:
-            spec = SessionServerSpec.model_validate(body.get("spec") or {})
-        except ValidationError as error:
-            message = describe_validation_error(error)
-            return st.blocked_conditions(st.INVALID_SPEC, message, generation)
+        spec, problems = validate(SessionServerSpec, body)
+        if spec is None:
+            return st.blocked_conditions(st.INVALID_SPEC, "; ".join(problems), generation)
         ms_name = spec.model_server_ref.name
         model_server = self.kube.get_custom("ModelServer", namespace, ms_name)
         if model_server is None:
             message = f"ModelServer {ms_name} does not exist in namespace {namespace}"
             return st.blocked_conditions(st.MODEL_SERVER_NOT_FOUND, message, generation)
-        try:
-            ms_spec = ModelServerSpec.model_validate(model_server.get("spec") or {})
-        except ValidationError:
+        ms_spec, _ = validate(ModelServerSpec, model_server)
+        if ms_spec is None:
             message = f"ModelServer {ms_name} has an invalid spec"
             return st.blocked_conditions(st.MODEL_SERVER_NOT_READY, message, generation)
         try:
@@ -217,30 +304,28 @@ class Reconciler:
             if body is None:
                 return
             inputs = self._session_inputs(body)
+            refused: list[str] = []
             if not isinstance(inputs, list):
                 spec, ms_name, ms_spec, _ = inputs
                 objects = session.render(_owner(body), spec, ms_name, ms_spec, self.default_image)
-                self._apply_all(body, objects)
-                body = self.kube.get_custom("SessionServer", namespace, name) or body
-            self._write_status(body, self.session_server_status(body))
+                refused = self._apply_all(body, objects)
+            self._finish(body, self.session_server_status(body, inputs), refused)
 
-    def refresh_session_server(self, namespace: str, name: str) -> None:
-        with self._lock("SessionServer", namespace, name):
-            body = self.kube.get_custom("SessionServer", namespace, name)
-            if body is not None:
-                self._write_status(body, self.session_server_status(body))
-
-    def session_server_status(self, body: dict[str, Any]) -> dict[str, Any]:
+    def session_server_status(
+        self,
+        body: dict[str, Any],
+        inputs: tuple[SessionServerSpec, str, ModelServerSpec, dict[str, Any]]
+        | list[dict[str, Any]],
+    ) -> dict[str, Any]:
         meta = body["metadata"]
         namespace, name, generation = meta["namespace"], meta["name"], meta.get("generation", 1)
-        previous = body.get("status") or {}
         base = {
             "url": session.service_url(name, namespace),
             "sessionUrlTemplate": session.session_url_template(name, namespace),
+            "observedGeneration": generation,
         }
-        inputs = self._session_inputs(body)
         if isinstance(inputs, list):
-            return {**base, "observedGeneration": generation, "conditions": inputs}
+            return {**base, "conditions": inputs}
         spec, ms_name, _, model_server = inputs
         owner = _owner(body)
         waiting = None
@@ -252,8 +337,12 @@ class Reconciler:
             redis_pods = self.kube.list(
                 "v1", "Pod", namespace, selector_string(redis.pod_selector(owner))
             )
+            claim = self.kube.get("v1", "PersistentVolumeClaim", namespace, redis.claim_name(name))
             redis_conditions = st.workload_conditions(
-                st.Workload(statefulset, redis_pods), 1, generation, what="Redis"
+                st.Workload(statefulset, redis_pods, [claim] if claim else []),
+                1,
+                generation,
+                what="Redis",
             )
             redis_ready = st.get_condition(redis_conditions, st.READY)
             if redis_ready and redis_ready["status"] != "True":
@@ -273,8 +362,9 @@ class Reconciler:
             "apps/v1", "Deployment", namespace, session.deployment_name(name)
         )
         pods = self.kube.list("v1", "Pod", namespace, selector_string(session.pod_selector(owner)))
+        workload = st.Workload(deployment, pods)
         conditions = st.workload_conditions(
-            st.Workload(deployment, pods),
+            workload,
             spec.replicas,
             generation,
             what="session server",
@@ -286,15 +376,4 @@ class Reconciler:
                 st.DEGRADED, True, redis_degraded.reason, redis_degraded.message, generation
             )
             conditions = [c for c in conditions if c["type"] != st.DEGRADED] + [replacement]
-        state = st.rollout(deployment, spec.replicas) if deployment else None
-        applied = state.applied_generation if state else None
-        carried = st.carried_apply_failure(previous.get("conditions", []), applied, generation)
-        if carried:
-            conditions = [c for c in conditions if c["type"] != st.DEGRADED] + [carried]
-        return {
-            **base,
-            "observedGeneration": applied or previous.get("observedGeneration"),
-            "replicas": state.replicas if state else 0,
-            "readyReplicas": state.ready if state else 0,
-            "conditions": conditions,
-        }
+        return {**base, **st.counts(workload), "conditions": conditions}

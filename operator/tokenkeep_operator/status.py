@@ -11,8 +11,6 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from tokenkeep_operator.manifests.common import GENERATION_ANNOTATION
-
 READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
 
 # Reasons (CamelCase, as Kubernetes conditions use them).
@@ -37,6 +35,7 @@ SECRET_NOT_FOUND = "SecretNotFound"
 STARTING = "Starting"
 UNSCHEDULABLE = "Unschedulable"
 WAITING_FOR_CHILDREN = "WaitingForChildren"
+WAITING_FOR_VOLUME = "WaitingForVolume"
 
 
 @dataclass(frozen=True)
@@ -130,16 +129,20 @@ def pod_problems(pods: list[dict[str, Any]], gpu_resource: str | None = None) ->
     return [found[r] for r in order if r in found]
 
 
-def claim_problems(claims: list[dict[str, Any]], pods: list[dict[str, Any]]) -> list[Problem]:
-    """A Pending claim is a problem once a pod waits for it; before that (no pods, or a
-    WaitForFirstConsumer class that binds on scheduling) it is normal."""
-    if not pods:
+def claim_waits(claims: list[dict[str, Any]], pods: list[dict[str, Any]]) -> list[Problem]:
+    """Pending claims that pods wait for. Not a fault by itself: a WaitForFirstConsumer claim
+    stays Pending until its pod is scheduled, and provisioning takes a while. A claim that
+    really blocks is a fault the scheduler reports on the pod (see `pod_problems`)."""
+    if not any(p.get("status", {}).get("phase", "Pending") == "Pending" for p in pods):
         return []
     return [
-        Problem(PVC_PENDING, f"PersistentVolumeClaim {c['metadata']['name']} is Pending")
+        Problem(
+            WAITING_FOR_VOLUME,
+            f"PersistentVolumeClaim {c['metadata']['name']} is Pending "
+            "(a WaitForFirstConsumer claim binds once its pod is scheduled)",
+        )
         for c in claims
         if c.get("status", {}).get("phase", "Pending") == "Pending"
-        and any(p.get("status", {}).get("phase", "Pending") == "Pending" for p in pods)
     ]
 
 
@@ -166,12 +169,38 @@ def _lost_replicas(pods: list[dict[str, Any]]) -> list[Problem]:
     return [Problem(REPLICAS_UNAVAILABLE, f"started but not ready: {', '.join(sorted(lost))}")]
 
 
+def pod_phases(pods: list[dict[str, Any]]) -> tuple[int, int]:
+    """(running, pending) pods, by phase: a pod is running once the kubelet started it."""
+    phases = [p.get("status", {}).get("phase", "Pending") for p in pods]
+    return phases.count("Running"), phases.count("Pending")
+
+
+def counts(workload: Workload) -> dict[str, int]:
+    """The status counts: replicas (pods the controller made), readyReplicas (passing
+    readiness), availableReplicas (ready for minReadySeconds), as the controller reports."""
+    status = (workload.controller or {}).get("status", {})
+    return {
+        "replicas": status.get("replicas", 0),
+        "readyReplicas": status.get("readyReplicas", 0),
+        "availableReplicas": status.get("availableReplicas", 0),
+    }
+
+
+def progress(workload: Workload, desired: int) -> str:
+    """E.g. `0 of 3 replicas ready, 0 available; pods: 1 running, 2 pending`."""
+    found = counts(workload)
+    running, pending = pod_phases(workload.pods)
+    return (
+        f"{found['readyReplicas']} of {desired} replicas ready, "
+        f"{found['availableReplicas']} available; pods: {running} running, {pending} pending"
+    )
+
+
 @dataclass(frozen=True)
 class Rollout:
     desired: int
     replicas: int
     ready: int
-    applied_generation: int | None
     rolled_out: bool
     stalled: bool
 
@@ -179,7 +208,6 @@ class Rollout:
 def rollout(controller: dict[str, Any], desired: int) -> Rollout:
     meta, status = controller.get("metadata", {}), controller.get("status", {})
     generation = meta.get("generation", 1)
-    applied = meta.get("annotations", {}).get(GENERATION_ANNOTATION)
     replicas = status.get("replicas", 0)
     rolled_out = (
         status.get("observedGeneration", 0) >= generation
@@ -194,7 +222,6 @@ def rollout(controller: dict[str, Any], desired: int) -> Rollout:
         desired=desired,
         replicas=replicas,
         ready=status.get("readyReplicas", 0),
-        applied_generation=int(applied) if applied else None,
         rolled_out=rolled_out,
         stalled=stalled,
     )
@@ -220,7 +247,7 @@ def workload_conditions(
         ]
     state = rollout(workload.controller, desired)
     problems = pod_problems(workload.pods, gpu_resource)
-    problems += [p for p in claim_problems(workload.claims, workload.pods) if p not in problems]
+    volume_waits = claim_waits(workload.claims, workload.pods)
     if state.stalled and not problems:
         problems.append(Problem(ROLLOUT_STALLED, f"{what} rollout exceeded its deadline"))
     if not problems:
@@ -236,10 +263,12 @@ def workload_conditions(
             reason, message = problems[0].reason, problems[0].message
         elif waiting is not None:
             reason, message = waiting.reason, waiting.message
+        elif volume_waits:
+            reason, message = volume_waits[0].reason, volume_waits[0].message
         elif gpu_resource and _is_loading(workload.pods):
             reason, message = LOADING_MODEL, "vLLM is loading the model (startup probe pending)"
         else:
-            reason, message = STARTING, f"{state.ready} of {desired} replicas ready"
+            reason, message = STARTING, progress(workload, desired)
         ready = condition(READY, False, reason, message, generation)
     if state.rolled_out and all_ready:
         message = f"{what} rollout complete"
@@ -250,8 +279,7 @@ def workload_conditions(
         )
     else:
         reason = LOADING_MODEL if gpu_resource and _is_loading(workload.pods) else ROLLING_OUT
-        message = f"{state.ready} of {desired} replicas ready, {state.replicas} running"
-        progressing = condition(PROGRESSING, True, reason, message, generation)
+        progressing = condition(PROGRESSING, True, reason, progress(workload, desired), generation)
     if problems:
         degraded = condition(DEGRADED, True, problems[0].reason, problems[0].message, generation)
     else:
@@ -266,22 +294,6 @@ def blocked_conditions(reason: str, message: str, generation: int) -> list[dict[
         condition(PROGRESSING, False, reason, message, generation),
         condition(DEGRADED, True, reason, message, generation),
     ]
-
-
-def carried_apply_failure(
-    previous: list[dict[str, Any]], applied_generation: int | None, generation: int
-) -> dict[str, Any] | None:
-    """An ApplyFailed condition stays until the current generation has been applied."""
-    if applied_generation == generation:
-        return None
-    for cond in previous:
-        if (
-            cond.get("type") == DEGRADED
-            and cond.get("reason") == APPLY_FAILED
-            and cond.get("observedGeneration") == generation
-        ):
-            return {k: v for k, v in cond.items() if k != "lastTransitionTime"}
-    return None
 
 
 def get_condition(conditions: Iterable[dict[str, Any]], type_: str) -> dict[str, Any] | None:

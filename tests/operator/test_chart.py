@@ -94,7 +94,10 @@ def test_operator_command_line_is_one_the_cli_accepts(helm: Path, values: Path) 
 def test_namespaced_install_gets_roles_not_cluster_write_access(helm: Path) -> None:
     documents = render(helm, Path(__file__).parent / "chart_values" / "namespaced.yaml")
     roles = [d for d in documents if d["kind"] == "Role"]
-    assert sorted(r["metadata"]["namespace"] for r in roles) == ["rl-team-a", "rl-team-b"]
+    watched = [
+        r["metadata"]["namespace"] for r in roles if "leader-election" not in r["metadata"]["name"]
+    ]
+    assert sorted(watched) == ["rl-team-a", "rl-team-b"]
     args = _operator_container(documents)["args"]
     assert build_parser().parse_args(args).namespace == ["rl-team-a", "rl-team-b"]
     for cluster_role in (d for d in documents if d["kind"] == "ClusterRole"):
@@ -113,7 +116,18 @@ def test_rbac_is_least_privilege(helm: Path, values: Path) -> None:
     for rule in rules:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
         assert "secrets" not in rule["resources"], rule
-        assert not {"delete", "deletecollection", "update"} & set(rule["verbs"]), rule
+        assert "deletecollection" not in rule["verbs"], rule
+        if "update" in rule["verbs"]:
+            # Finalizers (for blockOwnerDeletion) and the leader-election Lease only.
+            assert set(rule["resources"]) <= {
+                "modelservers/finalizers",
+                "sessionservers/finalizers",
+                "leases",
+            }, rule
+        if "delete" in rule["verbs"]:
+            # Only what the operator owns (to set or drop an owner reference under
+            # OwnerReferencesPermissionEnforcement); never the custom resources or pods.
+            assert not {"modelservers", "sessionservers", "pods"} & set(rule["resources"]), rule
         if "pods" in rule["resources"]:
             assert set(rule["verbs"]) == {"get", "list", "watch"}
 
@@ -137,10 +151,11 @@ def test_rbac_covers_every_kind_the_operator_writes(helm: Path) -> None:
     for scenario in SCENARIOS.values():
         for obj in scenario():
             group = obj["apiVersion"].rpartition("/")[0]
-            for verb in ("get", "create", "patch"):
+            for verb in ("get", "list", "watch", "create", "patch", "delete"):
                 assert (group, PLURALS[obj["kind"]], verb) in allowed, (obj["kind"], verb)
-    for kind in ("modelservers/status", "sessionservers/status"):
-        assert ("tokenkeep.dev", kind, "patch") in allowed
+    for kind in ("modelservers", "sessionservers"):
+        assert ("tokenkeep.dev", f"{kind}/status", "patch") in allowed
+        assert ("tokenkeep.dev", f"{kind}/finalizers", "update") in allowed
 
 
 def test_example_stack_matches_the_crds_and_points_the_session_server_at_the_model(

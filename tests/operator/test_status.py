@@ -107,11 +107,37 @@ def test_loading_model_is_progress_not_degradation() -> None:
     }
 
 
-def test_a_pending_claim_only_matters_once_a_pod_waits_for_it() -> None:
+def test_a_pending_claim_is_waited_for_not_a_fault() -> None:
+    """A WaitForFirstConsumer claim is Pending until its pod is scheduled: Ready says why it
+    waits, Degraded stays False. Only the scheduler saying the claim blocks is a fault."""
     claim = {"metadata": {"name": "cache"}, "status": {"phase": "Pending"}}
     assert conditions_of(st.Workload(deployment(1, 0), [], [claim]))["Degraded"][0] == "False"
     found = conditions_of(st.Workload(deployment(1, 0), [pod({"phase": "Pending"})], [claim]))
+    assert found["Ready"] == ("False", "WaitingForVolume")
+    assert found["Degraded"] == ("False", "AsExpected")
+    blocked = {
+        "phase": "Pending",
+        "conditions": [
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": "0/3 nodes are available: 3 pod has unbound immediate "
+                "PersistentVolumeClaims.",
+            }
+        ],
+    }
+    found = conditions_of(st.Workload(deployment(1, 0), [pod(blocked)], [claim]))
     assert found["Degraded"] == ("True", "PVCPending")
+
+
+def test_counts_say_what_pods_do() -> None:
+    workload = st.Workload(
+        deployment(3, 1), [pod({"phase": "Running"}), pod({"phase": "Pending"}), pod({})]
+    )
+    assert (
+        st.progress(workload, 3) == "1 of 3 replicas ready, 0 available; pods: 1 running, 2 pending"
+    )
 
 
 def test_stalled_rollout_and_lost_replicas_degrade() -> None:
@@ -143,10 +169,3 @@ def test_transition_time_moves_only_when_status_does() -> None:
     assert st.with_transition_times(flipped, before, "t1")[0]["lastTransitionTime"] == "t1"
     assert st.changed_conditions(same, before) == same
     assert st.changed_conditions(before, before) == []
-
-
-def test_apply_failure_sticks_until_the_generation_is_applied() -> None:
-    failed = st.condition(st.DEGRADED, True, st.APPLY_FAILED, "quota exceeded", 5)
-    assert st.carried_apply_failure([failed], applied_generation=4, generation=5) == failed
-    assert st.carried_apply_failure([failed], applied_generation=5, generation=5) is None
-    assert st.carried_apply_failure([failed], applied_generation=5, generation=6) is None

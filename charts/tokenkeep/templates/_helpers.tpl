@@ -31,23 +31,29 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
-{{/* What the operator may do to the resources it manages, in any watched namespace. */}}
+{{/* What the operator may do to the resources it manages, in any watched namespace.
+Owner references with blockOwnerDeletion need `update` on the owner's finalizers, and
+adding or removing an owner reference needs `delete` on the child, where the
+OwnerReferencesPermissionEnforcement admission plugin is on (OpenShift has it by default). */}}
 {{- define "tokenkeep.namespacedRules" -}}
 - apiGroups: ["tokenkeep.dev"]
   resources: ["modelservers", "sessionservers"]
-  verbs: ["get", "list", "watch", "patch"]
+  verbs: ["get", "list", "watch"]
 - apiGroups: ["tokenkeep.dev"]
   resources: ["modelservers/status", "sessionservers/status"]
   verbs: ["get", "patch"]
+- apiGroups: ["tokenkeep.dev"]
+  resources: ["modelservers/finalizers", "sessionservers/finalizers"]
+  verbs: ["update"]
 - apiGroups: ["apps"]
   resources: ["deployments", "statefulsets"]
-  verbs: ["get", "list", "watch", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["services", "configmaps", "serviceaccounts", "persistentvolumeclaims"]
-  verbs: ["get", "list", "watch", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["get", "list", "watch", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # Read-only: pod states explain why a rollout is stuck (missing secret, no GPU, ...).
 - apiGroups: [""]
   resources: ["pods"]

@@ -27,6 +27,11 @@ def statefulset_name(owner_name: str) -> str:
     return f"{owner_name}-redis"
 
 
+def claim_name(owner_name: str) -> str:
+    """The claim the StatefulSet makes from its `data` template for its one pod."""
+    return f"data-{statefulset_name(owner_name)}-0"
+
+
 def url(owner_name: str, namespace: str) -> str:
     name = statefulset_name(owner_name)
     return f"redis://{name}-0.{name}.{namespace}.svc:{PORT}/0"

@@ -1,0 +1,440 @@
+"""The operator against a real API server (see `real_cluster.py`), as the chart installs it:
+its ServiceAccount, its RBAC, `OwnerReferencesPermissionEnforcement` on.
+
+One control plane and one operator serve the whole module; every test works in a namespace
+of its own. The tests play the kubelet and the scheduler where they need pods to move (by
+writing pod status as the cluster admin), as nothing else runs them here.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.operator.conftest import load_example
+from tests.operator.real_cluster import (
+    Api,
+    Cluster,
+    OperatorProcess,
+    eventually,
+    missing_prerequisites,
+    ms_path,
+    path,
+    ss_path,
+)
+
+pytestmark = pytest.mark.skipif(
+    missing_prerequisites() is not None, reason=str(missing_prerequisites())
+)
+
+# Resources the operator writes (and the cluster's controllers do not), for counting writes.
+OPERATOR_WRITES = {
+    "deployments",
+    "statefulsets",
+    "services",
+    "configmaps",
+    "serviceaccounts",
+    "persistentvolumeclaims",
+    "poddisruptionbudgets",
+    "modelservers",
+    "modelservers/status",
+    "sessionservers",
+    "sessionservers/status",
+}
+_namespaces = itertools.count(1)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    started = Cluster(tmp_path_factory.mktemp("k8s"))
+    try:
+        started.start()
+        started.install_crds()
+        started.token = started.install_chart_rbac()
+        yield started
+    finally:
+        started.stop()
+
+
+@pytest.fixture(scope="module")
+def operator_kubeconfig(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return cluster.user_kubeconfig(cluster.token, tmp_path_factory.mktemp("op") / "kubeconfig")
+
+
+@pytest.fixture(scope="module")
+def operator(
+    cluster: Cluster, operator_kubeconfig: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[OperatorProcess]:
+    process = OperatorProcess(operator_kubeconfig, tmp_path_factory.mktemp("log") / "op.log")
+    process.start()
+    eventually(lambda: "leading" in process.output(), timeout=60)
+    yield process
+    assert process.stop() == 0, process.output()
+    assert "Traceback" not in process.output(), process.output()
+
+
+@pytest.fixture
+def admin(cluster: Cluster) -> Api:
+    return cluster.admin
+
+
+@pytest.fixture
+def ns(admin: Api) -> str:
+    return admin.namespace(f"t{next(_namespaces)}")
+
+
+def create_example(api: Api, ns: str, example: str, **spec: Any) -> dict[str, Any]:
+    body = load_example(example)
+    body["metadata"]["namespace"] = ns
+    body["spec"].update(spec)
+    url = ms_path(ns) if body["kind"] == "ModelServer" else ss_path(ns)
+    return api.create(url, body)
+
+
+def conditions(obj: dict[str, Any] | None) -> dict[str, tuple[str, str]]:
+    found = ((obj or {}).get("status") or {}).get("conditions") or []
+    return {c["type"]: (c["status"], c["reason"]) for c in found}
+
+
+def events(api: Api, ns: str, name: str) -> list[tuple[str, str, str]]:
+    found = api.items(path("v1", "events", ns), fieldSelector=f"involvedObject.name={name}")
+    found.sort(key=lambda e: (e.get("firstTimestamp") or "", e["metadata"]["resourceVersion"]))
+    return [(e["type"], e["reason"], e["message"]) for e in found]
+
+
+def deployment(api: Api, ns: str, name: str) -> dict[str, Any] | None:
+    return api.get(path("apps/v1", "deployments", ns, name))
+
+
+def engine_args(obj: dict[str, Any]) -> list[str]:
+    container = obj["spec"]["template"]["spec"]["containers"][0]
+    return container.get("args") or container["command"]
+
+
+def children(api: Api, ns: str) -> dict[str, dict[str, Any]]:
+    """Every object the operator owns in `ns`, by `kind/name`."""
+    found = {}
+    for version, plural in [
+        ("apps/v1", "deployments"),
+        ("apps/v1", "statefulsets"),
+        ("v1", "services"),
+        ("v1", "configmaps"),
+        ("v1", "serviceaccounts"),
+        ("v1", "persistentvolumeclaims"),
+    ]:
+        for item in api.items(
+            path(version, plural, ns),
+            labelSelector="app.kubernetes.io/managed-by=tokenkeep-operator",
+        ):
+            found[f"{plural}/{item['metadata']['name']}"] = item
+    return found
+
+
+def test_examples_get_their_children_status_and_events(
+    admin: Api, ns: str, operator: OperatorProcess
+) -> None:
+    """Everything is created with controller owner references under the chart's RBAC (with
+    OwnerReferencesPermissionEnforcement on), although 1.20 serves no policy/v1: the
+    PodDisruptionBudgets are skipped with one Warning each and block nothing."""
+    ms = create_example(admin, ns, "modelserver-qwen3-8b.yaml")
+    ss = create_example(admin, ns, "sessionserver.yaml")
+    owned = eventually(lambda: len(children(admin, ns)) >= 11 and children(admin, ns))
+    for key, obj in owned.items():
+        if key.startswith("persistentvolumeclaims/data-"):
+            continue  # the StatefulSet's claim: owned by nobody unless retention says so
+        refs = obj["metadata"].get("ownerReferences") or []
+        assert [r["kind"] for r in refs if r.get("controller")] in (
+            ["ModelServer"],
+            ["SessionServer"],
+        ), key
+
+    def settled(url: str) -> dict[str, Any]:
+        obj = admin.get(url)
+        assert set(conditions(obj)) == {"Ready", "Progressing", "Degraded"}
+        return obj
+
+    ms_now = eventually(lambda: settled(ms_path(ns, "qwen3-8b")))
+    status = ms_now["status"]
+    assert status["url"] == f"http://qwen3-8b-engine.{ns}.svc:8000"
+    assert status["observedGeneration"] == ms_now["metadata"]["generation"]
+    assert conditions(ms_now)["Degraded"] == ("False", "AsExpected")
+    eventually(lambda: settled(ss_path(ns, "rollouts")))
+
+    # `kubectl get` shows no empty column (the URL column is -o wide only).
+    for url in (ms_path(ns), ss_path(ns)):
+        table = admin.table(url)
+        for row in table["rows"]:
+            assert all(cell not in ("", None) for cell in row["cells"]), (
+                table["columnDefinitions"],
+                row,
+            )
+
+    # Start-up is progress, not a problem: Normal events, except the one skipped PDB each.
+    for name in (ms["metadata"]["name"], ss["metadata"]["name"]):
+        posted = eventually(lambda name=name: events(admin, ns, name))
+        warnings = [e for e in posted if e[0] == "Warning"]
+        assert [w[1] for w in warnings] == ["APINotServed"], posted
+        assert "policy/v1" in warnings[0][2]
+        normal = [e[1] for e in posted if e[0] == "Normal"]
+        assert normal, posted
+        assert all(a != b for a, b in itertools.pairwise(normal)), posted
+
+    # The counts mean what they say: the Deployment's pods exist, Pending (no scheduler).
+    eventually(
+        lambda: (
+            "pods: 0 running, 1 pending"
+            in dict(
+                (c["type"], c["message"])
+                for c in admin.get(ms_path(ns, "qwen3-8b"))["status"]["conditions"]
+            )["Progressing"]
+        )
+    )
+
+
+def test_hand_edits_are_undone_and_idle_makes_no_writes(
+    cluster: Cluster, admin: Api, ns: str, operator: OperatorProcess
+) -> None:
+    create_example(admin, ns, "modelserver-qwen3-8b.yaml", replicas=3)
+    name = "qwen3-8b-engine"
+    desired = eventually(lambda: deployment(admin, ns, name))
+    assert desired["spec"]["replicas"] == 3
+    args = engine_args(desired)
+    edited_args = [a.replace("32768", "1024") for a in args]
+    assert edited_args != args
+    container = copy.deepcopy(desired["spec"]["template"]["spec"]["containers"][0])
+    field = "args" if container.get("args") else "command"
+    container[field] = edited_args
+    admin.patch(
+        path("apps/v1", "deployments", ns, name),
+        {"spec": {"replicas": 1, "template": {"spec": {"containers": [container]}}}},
+    )
+    edited_at = time.monotonic()
+    reverted = eventually(
+        lambda: (
+            (d := deployment(admin, ns, name))["spec"]["replicas"] == 3
+            and engine_args(d) == args
+            and d
+        ),
+        timeout=10,
+    )
+    assert time.monotonic() - edited_at < 10
+    # A deleted child comes back.
+    admin.delete(path("v1", "services", ns, "qwen3-8b-engine"))
+    eventually(lambda: admin.get(path("v1", "services", ns, "qwen3-8b-engine")), timeout=10)
+
+    # Idle: the controllers settle (ReplicaSets, pods), then nothing the operator owns moves.
+    # 15 s rather than 60: the work queue's longest pause between passes is its debounce (1 s),
+    # and every event would have shown up well within 15 s.
+    del reverted
+    time.sleep(3)
+    before = {k: v["metadata"]["resourceVersion"] for k, v in children(admin, ns).items()}
+    ms_before = admin.get(ms_path(ns, "qwen3-8b"))["metadata"]["resourceVersion"]
+    writes = cluster.write_count(OPERATOR_WRITES)
+    time.sleep(15)
+    after = {k: v["metadata"]["resourceVersion"] for k, v in children(admin, ns).items()}
+    assert after == before
+    assert admin.get(ms_path(ns, "qwen3-8b"))["metadata"]["resourceVersion"] == ms_before
+    assert cluster.write_count(OPERATOR_WRITES) == writes
+
+
+def condition_of(obj: dict[str, Any] | None, type_: str) -> dict[str, Any]:
+    found = ((obj or {}).get("status") or {}).get("conditions") or []
+    return next(c for c in found if c["type"] == type_)
+
+
+def test_a_refused_child_blocks_nothing_and_is_retried(
+    admin: Api, ns: str, operator: OperatorProcess
+) -> None:
+    """A quota refuses Services: everything else is applied, Degraded names the Service
+    with the API server's message, and once the quota goes the retry creates it."""
+    quota = {"metadata": {"name": "no-services"}, "spec": {"hard": {"services": "0"}}}
+    admin.create(path("v1", "resourcequotas", ns), quota)
+    eventually(lambda: admin.get(path("v1", "resourcequotas", ns, "no-services"))["status"]["hard"])
+    create_example(admin, ns, "modelserver-qwen3-8b.yaml")
+    degraded = eventually(
+        lambda: (
+            (c := condition_of(admin.get(ms_path(ns, "qwen3-8b")), "Degraded"))["reason"]
+            == "ApplyFailed"
+            and c
+        )
+    )
+    assert "Service qwen3-8b-engine:" in degraded["message"]
+    assert "exceeded quota" in degraded["message"], degraded
+    assert deployment(admin, ns, "qwen3-8b-engine") is not None
+    ms = admin.get(ms_path(ns, "qwen3-8b"))
+    assert set(conditions(ms)) == {"Ready", "Progressing", "Degraded"}
+    assert ms["status"]["url"]
+    admin.delete(path("v1", "resourcequotas", ns, "no-services"))
+    eventually(lambda: admin.get(path("v1", "services", ns, "qwen3-8b-engine")), timeout=40)
+    eventually(
+        lambda: condition_of(admin.get(ms_path(ns, "qwen3-8b")), "Degraded")["status"] == "False",
+        timeout=10,
+    )
+    kinds = [(e[0], e[1]) for e in events(admin, ns, "qwen3-8b")]
+    assert kinds.count(("Warning", "ApplyFailed")) == 1, kinds
+
+
+def test_owner_references_change_under_owner_reference_enforcement(
+    admin: Api, ns: str, operator: OperatorProcess
+) -> None:
+    """Flipping cache.retain drops and restores the claim's owner reference: the chart's
+    RBAC must allow it where OwnerReferencesPermissionEnforcement is on."""
+    create_example(admin, ns, "modelserver-qwen3-8b.yaml")
+    claim_url = path("v1", "persistentvolumeclaims", ns, "qwen3-8b-model-cache")
+    eventually(lambda: admin.get(claim_url)["metadata"]["ownerReferences"])
+    admin.patch(ms_path(ns, "qwen3-8b"), {"spec": {"cache": {"retain": True}}})
+    eventually(lambda: not admin.get(claim_url)["metadata"].get("ownerReferences"), timeout=10)
+    admin.patch(ms_path(ns, "qwen3-8b"), {"spec": {"cache": {"retain": False}}})
+    eventually(lambda: admin.get(claim_url)["metadata"].get("ownerReferences"), timeout=10)
+    assert condition_of(admin.get(ms_path(ns, "qwen3-8b")), "Degraded")["status"] == "False"
+
+
+def unschedulable(message: str) -> dict[str, Any]:
+    return {
+        "phase": "Pending",
+        "conditions": [
+            {
+                "type": "PodScheduled",
+                "status": "False",
+                "reason": "Unschedulable",
+                "message": message,
+            }
+        ],
+    }
+
+
+def test_claims_are_waited_for_until_the_scheduler_says_they_block(
+    admin: Api, ns: str, operator: OperatorProcess
+) -> None:
+    """Pending claims with Pending pods (a WaitForFirstConsumer class before scheduling) are
+    waiting, not Degraded; the scheduler refusing a pod for an unbound claim is. Both for
+    the model cache and for the Redis claim."""
+    create_example(admin, ns, "modelserver-qwen3-8b.yaml")
+    create_example(admin, ns, "sessionserver.yaml")
+    ms = eventually(
+        lambda: (
+            (m := admin.get(ms_path(ns, "qwen3-8b")))
+            and condition_of(m, "Ready")["reason"] == "WaitingForVolume"
+            and m
+        )
+    )
+    assert condition_of(ms, "Degraded")["status"] == "False"
+    ss = eventually(
+        lambda: (
+            (s := admin.get(ss_path(ns, "rollouts")))
+            and condition_of(s, "Ready")["reason"] == "RedisNotReady"
+            and "data-rollouts-redis-0" in condition_of(s, "Ready")["message"]
+            and s
+        )
+    )
+    assert condition_of(ss, "Degraded")["status"] == "False"
+
+    message = "0/3 nodes are available: 3 pod has unbound immediate PersistentVolumeClaims."
+    for selector in (
+        "app.kubernetes.io/instance=qwen3-8b,app.kubernetes.io/component=engine",
+        "app.kubernetes.io/instance=rollouts,app.kubernetes.io/name=redis",
+    ):
+        pods = eventually(
+            lambda selector=selector: admin.items(path("v1", "pods", ns), labelSelector=selector)
+        )
+        for pod in pods:
+            url = path("v1", "pods", ns, pod["metadata"]["name"]) + "/status"
+            admin.patch(url, {"status": unschedulable(message)})
+    eventually(
+        lambda: (
+            condition_of(admin.get(ms_path(ns, "qwen3-8b")), "Degraded")["reason"] == "PVCPending"
+        )
+    )
+    degraded = eventually(
+        lambda: (
+            (c := condition_of(admin.get(ss_path(ns, "rollouts")), "Degraded"))["reason"]
+            == "PVCPending"
+            and c
+        )
+    )
+    assert degraded["message"].startswith("Redis: ")
+
+
+def test_invalid_specs_are_reported_in_field_paths(
+    admin: Api, ns: str, operator: OperatorProcess
+) -> None:
+    """A rule 1.20 cannot enforce (CEL) is enforced by the operator: InvalidSpec on every
+    condition, the resource's own field path, no children, one Warning."""
+    create_example(
+        admin,
+        ns,
+        "modelserver-qwen3-8b.yaml",
+        resources={"gpus": 3},
+        engine={"tensorParallelSize": 2},
+    )
+    ms = eventually(
+        lambda: (
+            (m := admin.get(ms_path(ns, "qwen3-8b")))
+            and condition_of(m, "Ready")["reason"] == "InvalidSpec"
+            and m
+        )
+    )
+    assert conditions(ms) == {
+        t: (s, "InvalidSpec")
+        for t, s in [("Ready", "False"), ("Progressing", "False"), ("Degraded", "True")]
+    }
+    message = condition_of(ms, "Degraded")["message"]
+    assert message.startswith("spec.resources.gpus: "), message
+    assert "Value error" not in message
+    assert children(admin, ns) == {}
+    assert [e[:2] for e in events(admin, ns, "qwen3-8b")] == [("Warning", "InvalidSpec")]
+
+
+def test_a_failed_status_write_is_an_event_and_retried(
+    cluster: Cluster, admin: Api, ns: str, operator: OperatorProcess
+) -> None:
+    role_url = path("rbac.authorization.k8s.io/v1", "clusterroles", None, "tk-tokenkeep")
+    role = admin.get(role_url)
+    rules = role["rules"]
+    without_status = [r for r in rules if not any(x.endswith("/status") for x in r["resources"])]
+    admin.patch(role_url, {"rules": without_status})
+    try:
+        create_example(admin, ns, "modelserver-qwen3-8b.yaml")
+        warning = eventually(
+            lambda: [e for e in events(admin, ns, "qwen3-8b") if e[1] == "StatusWriteFailed"]
+        )
+        assert warning[0][0] == "Warning"
+        assert "forbidden" in warning[0][2]
+        assert deployment(admin, ns, "qwen3-8b-engine") is not None
+    finally:
+        admin.patch(role_url, {"rules": rules})
+    eventually(lambda: admin.get(ms_path(ns, "qwen3-8b")).get("status"), timeout=40)
+
+
+def test_a_second_operator_stays_passive_until_the_first_stops(
+    cluster: Cluster,
+    admin: Api,
+    ns: str,
+    operator: OperatorProcess,
+    operator_kubeconfig: Path,
+    tmp_path: Path,
+) -> None:
+    """Runs last: it stops the module's operator."""
+    standby = OperatorProcess(operator_kubeconfig, tmp_path / "standby.log").start()
+    try:
+        eventually(lambda: "standby: lease" in standby.output(), timeout=60)
+        create_example(admin, ns, "modelserver-qwen3-8b.yaml")
+        eventually(lambda: deployment(admin, ns, "qwen3-8b-engine"))
+        assert "leading" not in standby.output()
+        assert operator.stop() == 0
+        eventually(lambda: "leading" in standby.output(), timeout=20)
+        admin.patch(
+            path("apps/v1", "deployments", ns, "qwen3-8b-engine"), {"spec": {"replicas": 5}}
+        )
+        eventually(
+            lambda: deployment(admin, ns, "qwen3-8b-engine")["spec"]["replicas"] == 1, timeout=10
+        )
+    finally:
+        assert standby.stop() == 0, standby.output()
+    assert "Traceback" not in standby.output(), standby.output()
