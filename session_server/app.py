@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from types import FrameType
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request, Response
 
 from session_server import __version__
+from session_server.admission import Admission, AdmissionMiddleware
 from session_server.api import chat, completions, errors, health, messages, responses, sessions
 from session_server.api.session_ids import bearer_token
 from session_server.engines import EngineClient
@@ -55,10 +59,20 @@ def build_service(
         generation_defaults=generation_defaults(settings.tokenizer) if settings.tokenizer else {},
     )
     return TurnService(
-        store=store or open_store(settings.redis_url),
+        store=store
+        or open_store(
+            settings.redis_url,
+            timeout_s=settings.redis_timeout_s,
+            retry_s=settings.redis_retry_s,
+            wait_replicas=settings.redis_wait_replicas,
+            wait_timeout_ms=settings.redis_wait_timeout_ms,
+        ),
         engine=engine
         or EngineClient(
-            settings.engine_urls, model=settings.model, discover=settings.engine_discovery
+            settings.engine_urls,
+            model=settings.model,
+            discover=settings.engine_discovery,
+            max_inflight_per_replica=settings.engine_max_inflight,
         ),
         model=model,
         config=config,
@@ -81,9 +95,18 @@ def create_app(settings: Settings, service: TurnService | None = None) -> FastAP
     app = FastAPI(title="tokenkeep session server", version=__version__, lifespan=lifespan)
     app.state.turns = service
     app.state.settings = settings
+    admission = Admission(
+        service.metrics,
+        max_inflight=settings.max_inflight,
+        max_queue=settings.max_queue,
+        queue_timeout_s=settings.queue_timeout_s,
+    )
+    app.state.admission = admission
     errors.install(app)
     for module in (chat, messages, responses, completions, sessions, health):
         app.include_router(module.router)
+    # Inside the access log below, so refusals are logged and counted like any answer.
+    app.add_middleware(AdmissionMiddleware, admission=admission)
 
     @app.middleware("http")
     async def access_log(request: Request, call_next: Any) -> Response:
@@ -97,6 +120,9 @@ def create_app(settings: Settings, service: TurnService | None = None) -> FastAP
                 _log_line(request, response.status_code, started)
                 return response
         response = await call_next(request)
+        if admission.draining:
+            # Clients must not reuse a connection this process is about to close.
+            response.headers["Connection"] = "close"
         _log_line(request, response.status_code, started)
         api = getattr(request.state, "api", None)
         if api:
@@ -119,7 +145,47 @@ def _log_line(request: Request, status: int, started: float) -> None:
                 "session": getattr(state, "session_id", None),
                 "api": getattr(state, "api", None),
                 "kind": getattr(state, "turn_kind", None),
-            },
+            }
+            | ({"error": state.error} if status >= 400 and hasattr(state, "error") else {}),
             separators=(",", ":"),
         )
     )
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn, with a drain before its shutdown. The first SIGTERM (or SIGINT) makes
+    readiness fail and new generation requests answer 503 (`Retry-After`, connection closed)
+    while the requests already admitted, streams included, finish; when none is left, or
+    after `grace_s`, uvicorn's own shutdown runs. A second signal exits at once."""
+
+    def __init__(self, config: uvicorn.Config, admission: Admission, grace_s: float) -> None:
+        super().__init__(config)
+        self._admission = admission
+        self._grace_s = grace_s
+        self._drain_deadline: float | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain_deadline is not None:
+            super().handle_exit(sig, frame)
+            return
+        self._drain_deadline = time.monotonic() + self._grace_s
+        self._admission.draining = True
+        log.warning(
+            json.dumps(
+                {
+                    "event": "draining",
+                    "signal": signal.Signals(sig).name,
+                    "inflight": self._admission.inflight,
+                    "queued": self._admission.waiting,
+                    "grace_s": self._grace_s,
+                }
+            )
+        )
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._drain_deadline is not None and not self.should_exit:
+            left = self._admission.inflight + self._admission.waiting
+            if left == 0 or time.monotonic() >= self._drain_deadline:
+                log.warning(json.dumps({"event": "drained", "cut": left}))
+                self.should_exit = True
+        return await super().on_tick(counter)

@@ -123,6 +123,7 @@ class Replica:
     url: str
     healthy: bool = True  # optimistic until a check or a request says otherwise
     protocol: Protocol = Protocol.GENERATE
+    inflight: int = 0
 
 
 async def _resolve(url: str) -> list[str]:
@@ -204,11 +205,13 @@ class EngineClient:
         max_connections: int = 512,
         transport: httpx.AsyncBaseTransport | None = None,
         discover: bool = False,
+        max_inflight_per_replica: int = 256,
     ):
         if not urls:
             raise ValueError("at least one engine URL is required")
         self.model = model
         self.health_interval_s = health_interval_s
+        self.max_inflight_per_replica = max_inflight_per_replica
         self._configured = [url.rstrip("/") for url in urls]
         self._discover = discover
         self._replicas = {url: Replica(url) for url in self._configured}
@@ -297,6 +300,20 @@ class EngineClient:
         ranked = rendezvous_order(session_id, healthy or list(self._replicas))
         return [self._replicas[url] for url in ranked]
 
+    def _candidates(self, session_id: str) -> list[Replica]:
+        """`order_for`, less the replicas at their in-flight limit (a full preferred replica
+        sends the session to the next one rather than queueing it there)."""
+        order = self.order_for(session_id)
+        free = [r for r in order if r.inflight < self.max_inflight_per_replica]
+        if not free:
+            raise EngineError(
+                503,
+                f"every engine replica has {self.max_inflight_per_replica} requests in flight; "
+                "retry later",
+                "EngineOverloaded",
+            )
+        return free
+
     def _mark_down(self, replica: Replica, reason: str) -> None:
         if replica.healthy:
             logger.warning("engine %s marked down: %s", replica.url, reason)
@@ -320,12 +337,15 @@ class EngineClient:
         call = _Call(session_id, prompt_ids, sampling, reasoning_ended, stream=False)
         started = time.perf_counter()
         last_error: EngineError | None = None
-        for replica in self.order_for(session_id):
+        for replica in self._candidates(session_id):
+            replica.inflight += 1
             try:
                 generation = await self._generate_on(replica, call)
             except _Retryable as failure:
                 last_error = self._note_failure(replica, failure)
                 continue
+            finally:
+                replica.inflight -= 1
             generation.latency_s = time.perf_counter() - started
             return generation
         assert last_error is not None
@@ -345,35 +365,43 @@ class EngineClient:
         closes the connection, which makes vLLM abort the request."""
         call = _Call(session_id, prompt_ids, sampling, reasoning_ended, stream=True)
         last_error: EngineError | None = None
-        for replica in self.order_for(session_id):
+        for replica in self._candidates(session_id):
+            replica.inflight += 1
             try:
-                response = await self._post(replica, call)
-            except _Retryable as failure:
-                last_error = self._note_failure(replica, failure)
-                continue
-            parse = (
-                _deltas_from_generate_chunk
-                if replica.protocol is Protocol.GENERATE
-                else _deltas_from_completions_chunk
-            )
-            started = False
-            try:
-                async for chunk in _sse_payloads(response, replica.url):
-                    prompt_ids_seen, deltas = parse(chunk)
-                    if not started:
-                        started = True
-                        yield StreamStart(replica.url, prompt_ids_seen)
-                    for delta in deltas:
-                        yield delta
+                async with contextlib.aclosing(self._stream_on(replica, call)) as events:
+                    async for event in events:
+                        yield event
                 return
             except _Retryable as failure:
-                if started:
-                    raise failure.error from failure
                 last_error = self._note_failure(replica, failure)
             finally:
-                await response.aclose()
+                replica.inflight -= 1
         assert last_error is not None
         raise last_error
+
+    async def _stream_on(self, replica: Replica, call: _Call) -> AsyncIterator[StreamEvent]:
+        """One replica's stream; `_Retryable` only while nothing has been yielded."""
+        response = await self._post(replica, call)
+        parse = (
+            _deltas_from_generate_chunk
+            if replica.protocol is Protocol.GENERATE
+            else _deltas_from_completions_chunk
+        )
+        started = False
+        try:
+            async for chunk in _sse_payloads(response, replica.url):
+                prompt_ids_seen, deltas = parse(chunk)
+                if not started:
+                    started = True
+                    yield StreamStart(replica.url, prompt_ids_seen)
+                for delta in deltas:
+                    yield delta
+        except _Retryable as failure:
+            if started:
+                raise failure.error from failure
+            raise
+        finally:
+            await response.aclose()
 
     def _note_failure(self, replica: Replica, failure: _Retryable) -> EngineError:
         if failure.mark_down:
