@@ -12,7 +12,8 @@ Engines without the endpoint get the same request as `/v1/completions` on a toke
 Replica choice is rendezvous (highest-random-weight) hashing of the session id over the healthy
 replicas, so every session-server process sends a session to the same engine (its prefix cache
 holds the conversation) and losing a replica moves only that replica's sessions. A request that
-fails before its first token is retried on the next replica in the session's order.
+fails before its first token is retried on the next replica in the session's order, and once
+more round the list; the same prompt, so the turn is stored once, by whichever answers.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -300,6 +301,14 @@ class EngineClient:
         ranked = rendezvous_order(session_id, healthy or list(self._replicas))
         return [self._replicas[url] for url in ranked]
 
+    def _attempts(self, session_id: str) -> Iterator[Replica]:
+        """Where to send a request, in turn: the candidates, then the candidates once more,
+        ranked again. A failure before the first token moves on, and a second round catches
+        a failure that says nothing about the replica (a pooled connection the engine had
+        just closed, a replica marked down a moment ago that has recovered)."""
+        for _ in range(2):
+            yield from self._candidates(session_id)
+
     def _candidates(self, session_id: str) -> list[Replica]:
         """`order_for`, less the replicas at their in-flight limit (a full preferred replica
         sends the session to the next one rather than queueing it there)."""
@@ -337,7 +346,7 @@ class EngineClient:
         call = _Call(session_id, prompt_ids, sampling, reasoning_ended, stream=False)
         started = time.perf_counter()
         last_error: EngineError | None = None
-        for replica in self._candidates(session_id):
+        for replica in self._attempts(session_id):
             replica.inflight += 1
             try:
                 generation = await self._generate_on(replica, call)
@@ -365,7 +374,7 @@ class EngineClient:
         closes the connection, which makes vLLM abort the request."""
         call = _Call(session_id, prompt_ids, sampling, reasoning_ended, stream=True)
         last_error: EngineError | None = None
-        for replica in self._candidates(session_id):
+        for replica in self._attempts(session_id):
             replica.inflight += 1
             try:
                 async with contextlib.aclosing(self._stream_on(replica, call)) as events:

@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from session_server.api.session_ids import InvalidSessionId, MissingSessionId
 from session_server.conversation import ConversationError
 from session_server.engines import EngineError
-from session_server.store.base import SessionNotFound, StoreUnavailable
+from session_server.store.base import SessionNotFound, StoreUnavailable, UnknownParent
 from session_server.turns import ProofFailed, SessionMissing
 
 log = logging.getLogger(__name__)
@@ -133,6 +133,9 @@ def classify(exc: Exception) -> tuple[int, str, str | None, str | None]:
         return 502, str(exc), None, "engine_error"
     if isinstance(exc, StoreUnavailable):
         return 503, str(exc), None, None
+    if isinstance(exc, UnknownParent):
+        # The session changed under the request (deleted and created again meanwhile).
+        return 409, f"concurrent change to the session: {exc}; nothing was stored", None, None
     log.exception("unhandled error", exc_info=exc)
     return 500, f"internal error: {type(exc).__name__}", None, "server_error"
 
@@ -175,5 +178,6 @@ def install(app: FastAPI) -> None:
         EngineError,
         ProofFailed,
         StoreUnavailable,
+        UnknownParent,
     ):
         app.add_exception_handler(exc_type, _core)

@@ -153,6 +153,9 @@ class Tally:
     """Session -> acknowledged turns in order: (turn id, completion token ids)."""
     unfinished: int = 0
     """Sessions that gave up (a turn never went through within the retries)."""
+    failures: list[tuple[str, float, str]] = field(default_factory=list)
+    """(server URL, time.monotonic() the request was sent, status or 'dropped') of every
+    request that was not answered 200."""
 
     def p95_ms(self) -> float:
         if not self.latencies:
@@ -173,7 +176,9 @@ async def _turn(
     stream: bool,
 ) -> tuple[str, dict[str, Any] | None, float | None]:  # fmt: skip
     """One request: (status or 'stream_error', the reply body, Retry-After)."""
-    body = {"model": MODEL, "messages": messages, "max_tokens": 64, "stream": stream}
+    body: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": 64}
+    if stream:  # the last chunk, with usage, names the stored turn
+        body |= {"stream": True, "stream_options": {"include_usage": True}}
     path = f"{url}/sessions/{session}/v1/chat/completions"
     if not stream:
         response = await client.post(path, json=body)
@@ -234,6 +239,7 @@ async def drive(
                 for _ in range(attempts):
                     url = urls[target % len(urls)]
                     started = time.perf_counter()
+                    sent_at = time.monotonic()
                     tally.requests += 1
                     try:
                         status, reply, retry_after = await _turn(
@@ -241,10 +247,13 @@ async def drive(
                         )
                     except httpx.TransportError:
                         tally.dropped[url] += 1
+                        tally.failures.append((url, sent_at, "dropped"))
                         target += 1
                         await asyncio.sleep(0.2)
                         continue
                     tally.statuses[status] += 1
+                    if status != "200":
+                        tally.failures.append((url, sent_at, status))
                     if status == "200" and reply is not None:
                         tally.latencies.append(time.perf_counter() - started)
                         choice = reply["choices"][0]
