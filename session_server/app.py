@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from types import FrameType
 
 import orjson
+import uvicorn
 from fastapi import FastAPI, Request
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from session_server import __version__
+from session_server.admission import Admission, AdmissionMiddleware
 from session_server.api import (
     chat,
     completions,
@@ -65,10 +69,20 @@ def build_service(
         generation_defaults=generation_defaults(settings.tokenizer) if settings.tokenizer else {},
     )
     return TurnService(
-        store=store or open_store(settings.redis_url),
+        store=store
+        or open_store(
+            settings.redis_url,
+            timeout_s=settings.redis_timeout_s,
+            retry_s=settings.redis_retry_s,
+            wait_replicas=settings.redis_wait_replicas,
+            wait_timeout_ms=settings.redis_wait_timeout_ms,
+        ),
         engine=engine
         or EngineClient(
-            settings.engine_urls, model=settings.model, discover=settings.engine_discovery
+            settings.engine_urls,
+            model=settings.model,
+            discover=settings.engine_discovery,
+            max_inflight_per_replica=settings.engine_max_inflight,
         ),
         model=model,
         config=config,
@@ -91,11 +105,19 @@ def create_app(settings: Settings, service: TurnService | None = None) -> FastAP
     app = FastAPI(title="tokenkeep session server", version=__version__, lifespan=lifespan)
     app.state.turns = service
     app.state.settings = settings
+    admission = Admission(
+        service.metrics,
+        max_inflight=settings.max_inflight,
+        max_queue=settings.max_queue,
+        queue_timeout_s=settings.queue_timeout_s,
+    )
+    app.state.admission = admission
     errors.install(app)
     for module in (chat, messages, responses, completions, sessions, health, viewer):
         app.include_router(module.router)
-
-    app.add_middleware(AccessLog, settings=settings, metrics=service.metrics)
+    # Inside the access log, so refusals are logged and counted like any answer.
+    app.add_middleware(AdmissionMiddleware, admission=admission)
+    app.add_middleware(AccessLog, settings=settings, metrics=service.metrics, admission=admission)
     return app
 
 
@@ -104,10 +126,13 @@ class AccessLog:
     `@app.middleware("http")` (Starlette's BaseHTTPMiddleware) costs a task group and a
     memory stream per request and relays every streamed frame through them."""
 
-    def __init__(self, app: ASGIApp, *, settings: Settings, metrics: Metrics) -> None:
+    def __init__(
+        self, app: ASGIApp, *, settings: Settings, metrics: Metrics, admission: Admission
+    ) -> None:
         self.app = app
         self.api_key = settings.api_key
         self.metrics = metrics
+        self.admission = admission
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -129,6 +154,9 @@ class AccessLog:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
+                if self.admission.draining:
+                    # Clients must not reuse a connection this process is about to close.
+                    message["headers"] = [*message.get("headers", []), (b"connection", b"close")]
             await send(message)
 
         try:
@@ -156,5 +184,45 @@ def _log_line(scope: Scope, status: int, started: float) -> None:
                 "api": state.get("api"),
                 "kind": state.get("turn_kind"),
             }
+            | ({"error": state["error"]} if status >= 400 and "error" in state else {})
         ).decode()
     )
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn, with a drain before its shutdown. The first SIGTERM (or SIGINT) makes
+    readiness fail and new generation requests answer 503 (`Retry-After`, connection closed)
+    while the requests already admitted, streams included, finish; when none is left, or
+    after `grace_s`, uvicorn's own shutdown runs. A second signal exits at once."""
+
+    def __init__(self, config: uvicorn.Config, admission: Admission, grace_s: float) -> None:
+        super().__init__(config)
+        self._admission = admission
+        self._grace_s = grace_s
+        self._drain_deadline: float | None = None
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain_deadline is not None:
+            super().handle_exit(sig, frame)
+            return
+        self._drain_deadline = time.monotonic() + self._grace_s
+        self._admission.draining = True
+        log.warning(
+            orjson.dumps(
+                {
+                    "event": "draining",
+                    "signal": signal.Signals(sig).name,
+                    "inflight": self._admission.inflight,
+                    "queued": self._admission.waiting,
+                    "grace_s": self._grace_s,
+                }
+            ).decode()
+        )
+
+    async def on_tick(self, counter: int) -> bool:
+        if self._drain_deadline is not None and not self.should_exit:
+            left = self._admission.inflight + self._admission.waiting
+            if left == 0 or time.monotonic() >= self._drain_deadline:
+                log.warning(orjson.dumps({"event": "drained", "cut": left}).decode())
+                self.should_exit = True
+        return await super().on_tick(counter)

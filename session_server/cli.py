@@ -36,13 +36,36 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="one replica per address of each engine host (TOKENKEEP_ENGINE_DISCOVERY)",
     )
+    limits = (
+        ("--max-inflight", int, "generation requests run at once (TOKENKEEP_MAX_INFLIGHT)"),
+        ("--max-queue", int, "requests that may wait for a slot (TOKENKEEP_MAX_QUEUE)"),
+        ("--queue-timeout-s", float, "longest wait for a slot (TOKENKEEP_QUEUE_TIMEOUT_S)"),
+        (
+            "--engine-max-inflight",
+            int,
+            "requests in flight per engine replica (TOKENKEEP_ENGINE_MAX_INFLIGHT)",
+        ),
+        (
+            "--shutdown-grace-s",
+            float,
+            "on SIGTERM, time for in-flight requests to finish (TOKENKEEP_SHUTDOWN_GRACE_S)",
+        ),
+        ("--redis-retry-s", float, "retry Redis this long before 503 (TOKENKEEP_REDIS_RETRY_S)"),
+        (
+            "--redis-wait-replicas",
+            int,
+            "acknowledge a turn once N Redis replicas hold it (TOKENKEEP_REDIS_WAIT_REPLICAS)",
+        ),
+    )
+    for flag, kind, help_text in limits:
+        p.add_argument(flag, type=kind, help=help_text)
     p.add_argument("--log-level", default=env("TOKENKEEP_LOG_LEVEL", "info"))
 
 
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from session_server.app import create_app
+    from session_server.app import GracefulServer, create_app
     from session_server.settings import Settings
 
     overrides = {
@@ -54,14 +77,17 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(message)s")
     app = create_app(settings)
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
         access_log=False,
         timeout_keep_alive=KEEP_ALIVE_S,
+        # After the drain (GracefulServer) little is left; this bounds what is.
+        timeout_graceful_shutdown=5,
     )
+    GracefulServer(config, app.state.admission, settings.shutdown_grace_s).run()
     return 0
 
 

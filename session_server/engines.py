@@ -12,7 +12,8 @@ Engines without the endpoint get the same request as `/v1/completions` on a toke
 Replica choice is rendezvous (highest-random-weight) hashing of the session id over the healthy
 replicas, so every session-server process sends a session to the same engine (its prefix cache
 holds the conversation) and losing a replica moves only that replica's sessions. A request that
-fails before its first token is retried on the next replica in the session's order.
+fails before its first token is retried on the next replica in the session's order, and once
+more round the list; the same prompt, so the turn is stored once, by whichever answers.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import logging
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -124,6 +125,7 @@ class Replica:
     protocol: Protocol = Protocol.GENERATE
     failures: int = 0
     """Requests in a row that could not reach it (reset by any answer)."""
+    inflight: int = 0
 
 
 # A replica is marked down by its health check, or after this many requests in a row could not
@@ -215,11 +217,13 @@ class EngineClient:
         max_connections: int = 1024,
         transport: httpx.AsyncBaseTransport | None = None,
         discover: bool = False,
+        max_inflight_per_replica: int = 256,
     ):
         if not urls:
             raise ValueError("at least one engine URL is required")
         self.model = model
         self.health_interval_s = health_interval_s
+        self.max_inflight_per_replica = max_inflight_per_replica
         self._configured = [url.rstrip("/") for url in urls]
         self._discover = discover
         self._replicas = {url: Replica(url) for url in self._configured}
@@ -330,6 +334,28 @@ class EngineClient:
         ranked = rendezvous_order(session_id, healthy or list(self._replicas))
         return [self._replicas[url] for url in ranked]
 
+    def _attempts(self, session_id: str) -> Iterator[Replica]:
+        """Where to send a request, in turn: the candidates, then the candidates once more,
+        ranked again. A failure before the first token moves on, and a second round catches
+        a failure that says nothing about the replica (a pooled connection the engine had
+        just closed, a replica marked down a moment ago that has recovered)."""
+        for _ in range(2):
+            yield from self._candidates(session_id)
+
+    def _candidates(self, session_id: str) -> list[Replica]:
+        """`order_for`, less the replicas at their in-flight limit (a full preferred replica
+        sends the session to the next one rather than queueing it there)."""
+        order = self.order_for(session_id)
+        free = [r for r in order if r.inflight < self.max_inflight_per_replica]
+        if not free:
+            raise EngineError(
+                503,
+                f"every engine replica has {self.max_inflight_per_replica} requests in flight; "
+                "retry later",
+                "EngineOverloaded",
+            )
+        return free
+
     def _strike(self, replica: Replica, reason: str) -> None:
         replica.failures += 1
         if replica.failures >= FAILURES_BEFORE_DOWN and replica.healthy:
@@ -359,12 +385,15 @@ class EngineClient:
         call = _Call(session_id, prompt_ids, sampling, reasoning_ended, stream=False)
         started = time.perf_counter()
         last_error: EngineError | None = None
-        for replica in self.order_for(session_id):
+        for replica in self._attempts(session_id):
+            replica.inflight += 1
             try:
                 generation = await self._generate_on(replica, call)
             except _Retryable as failure:
                 last_error = await self._note_failure(replica, failure)
                 continue
+            finally:
+                replica.inflight -= 1
             replica.failures = 0
             generation.latency_s = time.perf_counter() - started
             return generation
@@ -385,36 +414,44 @@ class EngineClient:
         closes the connection, which makes vLLM abort the request."""
         call = _Call(session_id, prompt_ids, sampling, reasoning_ended, stream=True)
         last_error: EngineError | None = None
-        for replica in self.order_for(session_id):
+        for replica in self._attempts(session_id):
+            replica.inflight += 1
             try:
-                response = await self._post(replica, call)
-            except _Retryable as failure:
-                last_error = await self._note_failure(replica, failure)
-                continue
-            replica.failures = 0
-            parse = (
-                _deltas_from_generate_chunk
-                if replica.protocol is Protocol.GENERATE
-                else _deltas_from_completions_chunk
-            )
-            started = False
-            try:
-                async for chunk in _sse_payloads(response, replica.url):
-                    prompt_ids_seen, deltas = parse(chunk)
-                    if not started:
-                        started = True
-                        yield StreamStart(replica.url, prompt_ids_seen)
-                    for delta in deltas:
-                        yield delta
+                async with contextlib.aclosing(self._stream_on(replica, call)) as events:
+                    async for event in events:
+                        yield event
                 return
             except _Retryable as failure:
-                if started:
-                    raise failure.error from failure
                 last_error = await self._note_failure(replica, failure)
             finally:
-                await response.aclose()
+                replica.inflight -= 1
         assert last_error is not None
         raise last_error
+
+    async def _stream_on(self, replica: Replica, call: _Call) -> AsyncIterator[StreamEvent]:
+        """One replica's stream; `_Retryable` only while nothing has been yielded."""
+        response = await self._post(replica, call)
+        replica.failures = 0
+        parse = (
+            _deltas_from_generate_chunk
+            if replica.protocol is Protocol.GENERATE
+            else _deltas_from_completions_chunk
+        )
+        started = False
+        try:
+            async for chunk in _sse_payloads(response, replica.url):
+                prompt_ids_seen, deltas = parse(chunk)
+                if not started:
+                    started = True
+                    yield StreamStart(replica.url, prompt_ids_seen)
+                for delta in deltas:
+                    yield delta
+        except _Retryable as failure:
+            if started:
+                raise failure.error from failure
+            raise
+        finally:
+            await response.aclose()
 
     async def _note_failure(self, replica: Replica, failure: _Retryable) -> EngineError:
         """A request could not be served by `replica`. If it could not reach it, the replica

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -50,5 +50,18 @@ class Metrics:
         self.normalized_requests = Counter(
             "tokenkeep_normalized_requests",
             "Requests in which session normalisation rules ignored volatile text.",
+            registry=r,
+        )
+        self.inflight = Gauge(
+            "tokenkeep_inflight_requests", "Generation requests running now.", registry=r
+        )
+        self.queue_depth = Gauge(
+            "tokenkeep_queued_requests", "Generation requests waiting for a slot.", registry=r
+        )
+        self.rejections = Counter(
+            "tokenkeep_rejected_requests",
+            "Generation requests refused before running, by reason "
+            "(queue_full, queue_timeout, draining, engines_full).",
+            ["reason"],
             registry=r,
         )

@@ -24,6 +24,24 @@ class Settings(BaseSettings):
     """A local tokenizer directory or a Hugging Face id available offline."""
     renderer: str = "auto"
     redis_url: str | None = None
+    """redis://, rediss://, redis+sentinel://..., redis+cluster://... (store/redis.py)."""
+    redis_retry_s: float = 2.0
+    """How long one store operation is retried while Redis is unreachable before 503."""
+    redis_timeout_s: float = 5.0
+    """Socket timeout of one Redis command."""
+    redis_wait_replicas: int = 0
+    """Acknowledge a turn only after this many Redis replicas hold it (WAIT); 0 = off."""
+    redis_wait_timeout_ms: int = 1000
+    max_inflight: int = 256
+    """Generation requests this process runs at once (the rest wait in the queue)."""
+    max_queue: int = 512
+    """Generation requests that may wait for a slot; more are refused with 429."""
+    queue_timeout_s: float = 30.0
+    """How long a request may wait for a slot before 503."""
+    engine_max_inflight: int = 256
+    """Requests in flight to one engine replica (vLLM's default max_num_seqs is 256)."""
+    shutdown_grace_s: float = 30.0
+    """On SIGTERM: how long in-flight requests may take to finish before the process exits."""
     host: str = "127.0.0.1"
     port: int = 8000
     context_length: int | None = None

@@ -148,6 +148,8 @@ class EngineDouble:
     healthy: bool = True
     chunk_delay_s: float = 0.0
     """Pause after each streamed chunk (to let a test act while a stream is running)."""
+    latency_s: float = 0.0
+    """Pause before answering a generate request (time to first token; reliability tests)."""
     streams_ended: int = 0
     """Streams whose body finished or was abandoned by the client (vLLM aborts those)."""
     streams_abandoned: int = 0
@@ -426,6 +428,8 @@ class EngineDouble:
             completions = self._completions_for(prompt, sampling)
         except LookupError as exc:
             return JSONResponse(_error_body(str(exc), "InternalServerError", 500), status_code=500)
+        if self.latency_s:
+            await asyncio.sleep(self.latency_s)
         request_id = _request_id("generate-tokens-")
         want_logprobs = sampling.get("logprobs") is not None
         prompt_out = self._reported(prompt) if body.get("return_token_ids") else None

@@ -6,6 +6,7 @@ import shutil
 import socket
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis
@@ -17,29 +18,35 @@ def _free_loopback_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_redis_server(workdir: Path, attempts: int = 3) -> tuple[subprocess.Popen[bytes], str]:
-    """Start redis-server without persistence on a free loopback port (never 6379); returns
-    the process and its URL. Retries on another port if the chosen one was taken meanwhile."""
+def start_redis_server(
+    workdir: Path,
+    attempts: int = 3,
+    *,
+    port: int | None = None,
+    args: Sequence[str] = ("--save", "", "--appendonly", "no"),
+) -> tuple[subprocess.Popen[bytes], str]:
+    """Start redis-server (by default without persistence) on a free loopback port (never
+    6379), or on `port` (a restart); returns the process and its URL. Retries on another
+    free port if the chosen one was taken meanwhile. `args` are extra server options."""
     binary = shutil.which("redis-server")
     if binary is None:
         raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
     log = workdir / "redis.log"
     for _ in range(attempts):
-        port = _free_loopback_port()
+        chosen = port or _free_loopback_port()
         proc = subprocess.Popen(
             [
                 binary,
                 "--bind", "127.0.0.1",
-                "--port", str(port),
-                "--save", "",
-                "--appendonly", "no",
+                "--port", str(chosen),
                 "--dir", str(workdir),
                 "--logfile", str(log),
+                *args,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )  # fmt: skip
-        url = f"redis://127.0.0.1:{port}/0"
+        url = f"redis://127.0.0.1:{chosen}/0"
         client = redis.Redis.from_url(url, socket_connect_timeout=0.2)
         deadline = time.monotonic() + 10
         try:

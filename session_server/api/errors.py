@@ -19,7 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from session_server.api.session_ids import InvalidSessionId, MissingSessionId
 from session_server.conversation import ConversationError
 from session_server.engines import EngineError
-from session_server.store.base import SessionNotFound
+from session_server.store.base import SessionNotFound, StoreUnavailable, UnknownParent
 from session_server.turns import ProofFailed, SessionMissing
 
 log = logging.getLogger(__name__)
@@ -47,13 +47,20 @@ _ANTHROPIC_TYPES = {
 
 class APIError(Exception):
     def __init__(
-        self, status: int, message: str, *, param: str | None = None, type: str | None = None
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        type: str | None = None,
+        retry_after_s: int | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.type = type
+        self.retry_after_s = retry_after_s
 
 
 def is_anthropic_path(path: str) -> bool:
@@ -89,10 +96,25 @@ def error_response(
     *,
     param: str | None = None,
     type: str | None = None,
+    retry_after_s: int | None = None,
 ) -> JSONResponse:
+    # The access log line names what went wrong (one line per failed request).
+    request.state.error = message
+    headers = None if retry_after_s is None else {"Retry-After": str(retry_after_s)}
     return JSONResponse(
-        error_body(request.url.path, status, message, param=param, type=type), status_code=status
+        error_body(request.url.path, status, message, param=param, type=type),
+        status_code=status,
+        headers=headers,
     )
+
+
+def retry_after(exc: Exception) -> int | None:
+    """Seconds after which a transient failure (503, 429) may be retried, else None."""
+    if isinstance(exc, StoreUnavailable | APIError):
+        return exc.retry_after_s
+    if isinstance(exc, EngineError) and exc.status == 503:
+        return 1
+    return None
 
 
 def classify(exc: Exception) -> tuple[int, str, str | None, str | None]:
@@ -109,6 +131,11 @@ def classify(exc: Exception) -> tuple[int, str, str | None, str | None]:
         return exc.status, exc.message, None, exc.type
     if isinstance(exc, ProofFailed):
         return 502, str(exc), None, "engine_error"
+    if isinstance(exc, StoreUnavailable):
+        return 503, str(exc), None, None
+    if isinstance(exc, UnknownParent):
+        # The session changed under the request (deleted and created again meanwhile).
+        return 409, f"concurrent change to the session: {exc}; nothing was stored", None, None
     log.exception("unhandled error", exc_info=exc)
     return 500, f"internal error: {type(exc).__name__}", None, "server_error"
 
@@ -137,7 +164,9 @@ def install(app: FastAPI) -> None:
 
     async def _core(request: Request, exc: Exception) -> JSONResponse:
         status, message, param, kind = classify(exc)
-        return error_response(request, status, message, param=param, type=kind)
+        return error_response(
+            request, status, message, param=param, type=kind, retry_after_s=retry_after(exc)
+        )
 
     for exc_type in (
         APIError,
@@ -148,5 +177,7 @@ def install(app: FastAPI) -> None:
         SessionNotFound,
         EngineError,
         ProofFailed,
+        StoreUnavailable,
+        UnknownParent,
     ):
         app.add_exception_handler(exc_type, _core)

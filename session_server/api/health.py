@@ -28,10 +28,16 @@ async def healthz() -> dict[str, str]:
 @router.get("/readyz")
 async def readyz(request: Request) -> Response:
     service = request.app.state.turns
+    draining = request.app.state.admission.draining
     store_ok = await service.store.ping()
     engine_ok = await service.engine.ready()
-    ok = store_ok and engine_ok
-    body = {"status": "ready" if ok else "not ready", "store": store_ok, "engine": engine_ok}
+    ok = store_ok and engine_ok and not draining
+    body = {
+        "status": "ready" if ok else "not ready",
+        "store": store_ok,
+        "engine": engine_ok,
+        "draining": draining,
+    }
     return Response(json.dumps(body), status_code=200 if ok else 503, media_type="application/json")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -12,6 +13,7 @@ from session_server.api.errors import classify, error_body
 from session_server.api.routing import dumps
 from session_server.results import StreamEvent, TurnResult
 
+log = logging.getLogger("tokenkeep.requests")
 DONE = b"data: [DONE]\n\n"
 
 
@@ -64,6 +66,10 @@ def sse_response(
             async for chunk in chunks:
                 yield chunk
         except Exception as exc:  # the status line is gone: report in-band, as vLLM does
+            status, message, _param, _kind = classify(exc)
+            log.warning(
+                dumps({"event": "stream_failed", "status": status, "error": message}).decode()
+            )
             yield on_error(exc)
         finally:
             await chunks.aclose()  # type: ignore[attr-defined]

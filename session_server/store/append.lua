@@ -1,15 +1,26 @@
 -- Atomic append of the sibling turns of one request (session_server/store/redis.py).
 -- KEYS: meta, turns, index, parents.
--- ARGV: n_turns, segments, tokens, n_breaks, break_reason x n_breaks,
+-- ARGV: token (16 hex digits, random per append), n_turns, segments, tokens, n_breaks,
+--       break_reason x n_breaks,
 --       then per turn: parent_id (0 = root), record, n_keys, key x n_keys.
 -- Reply: {'ok', first_id} | {'gone'} | {'parent', parent_id}.
+-- The meta field 'acks' remembers the last 32 appends as token + first id (8 hex digits):
+-- a client that lost the reply and sends the same append again (same token) gets the ids
+-- already stored, and nothing is stored twice.
 local meta, turns, index, parents = KEYS[1], KEYS[2], KEYS[3], KEYS[4]
-if redis.call('EXISTS', meta) == 0 then
+local token = ARGV[1]
+local acks = redis.call('HGET', meta, 'acks')
+if acks then
+  local at = string.find(acks, token, 1, true)
+  if at and (at - 1) % 24 == 0 then
+    return {'ok', tonumber(string.sub(acks, at + 16, at + 23), 16)}
+  end
+elseif redis.call('EXISTS', meta) == 0 then
   return {'gone'}
 end
-local n = tonumber(ARGV[1])
-local n_breaks = tonumber(ARGV[4])
-local first_turn_arg = 5 + n_breaks
+local n = tonumber(ARGV[2])
+local n_breaks = tonumber(ARGV[5])
+local first_turn_arg = 6 + n_breaks
 
 -- Every check comes before the first write: Redis does not roll back a failed script.
 local pos = first_turn_arg
@@ -39,10 +50,10 @@ for _ = 1, n do
   end
   pos = pos + 3 + n_keys
 end
-redis.call('HINCRBY', meta, 'segments', ARGV[2])
-redis.call('HINCRBY', meta, 'tokens', ARGV[3])
+redis.call('HINCRBY', meta, 'segments', ARGV[3])
+redis.call('HINCRBY', meta, 'tokens', ARGV[4])
 for b = 1, n_breaks do
-  redis.call('HINCRBY', meta, 'b:' .. ARGV[4 + b], 1)
+  redis.call('HINCRBY', meta, 'b:' .. ARGV[5 + b], 1)
 end
 
 local ttl_ms = redis.call('HGET', meta, 'ttl_ms')
@@ -51,4 +62,6 @@ if ttl_ms then
     redis.call('PEXPIRE', key, ttl_ms)
   end
 end
+redis.call('HSET', meta, 'acks',
+  token .. string.format('%08x', last - n + 1) .. string.sub(acks or '', 1, 24 * 31))
 return {'ok', last - n + 1}

@@ -150,6 +150,17 @@ class UnknownParent(ValueError):
     """An appended turn names a parent the session does not hold; nothing was stored."""
 
 
+class StoreUnavailable(RuntimeError):
+    """The store cannot be reached now (down, restarting, loading its data, failing over).
+    Transient: the caller answers 503 with `retry_after_s`. An operation that raised it may
+    still have taken effect only where the store says so (RedisStore's appends are
+    idempotent across its own retries, so a turn is never stored twice)."""
+
+    def __init__(self, message: str, *, retry_after_s: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class SessionStore(Protocol):
     """Storage of sessions and their turn trees. All methods are atomic per call.
 
@@ -157,7 +168,8 @@ class SessionStore(Protocol):
     all_turns, get_turns, counters) raises SessionNotFound when the session does not exist
     or has expired. Records come back as stored: logprobs as float32 values, `extra` after
     a JSON round trip, `turn_id` set. The TTL slides: it counts from the session's creation
-    or last append; reads do not extend it.
+    or last append; reads do not extend it. Any method may raise StoreUnavailable when the
+    store cannot be reached (a networked store, after its own bounded retries).
     """
 
     async def create_session(self, meta: SessionMeta) -> SessionMeta:
@@ -224,6 +236,8 @@ class SessionStore(Protocol):
         all sessions (no index is written per turn): for browsing, not for the turn path."""
         ...
 
-    async def ping(self) -> bool: ...
+    async def ping(self) -> bool:
+        """Whether the store answers now (one attempt, no retries: readiness probes)."""
+        ...
 
     async def close(self) -> None: ...

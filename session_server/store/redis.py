@@ -15,15 +15,34 @@ Lookups and appends are Lua scripts (EVALSHA), so each is one round trip and ato
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import json
+import logging
+import secrets
 import struct
-from collections.abc import Collection
+import time
+from collections.abc import Awaitable, Callable, Collection
 from importlib.resources import files
-from typing import Any
+from typing import Any, TypeVar
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import numpy as np
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel
+from redis.backoff import NoBackoff
+from redis.exceptions import (
+    ClusterDownError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisClusterException,
+    RedisError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from session_server.store.base import (
     LookupResult,
@@ -32,6 +51,7 @@ from session_server.store.base import (
     SessionExists,
     SessionMeta,
     SessionNotFound,
+    StoreUnavailable,
     TurnRecord,
     UnknownParent,
     new_incarnation,
@@ -42,6 +62,25 @@ from session_server.store.codec import (
     encode_append,
     encode_meta,
     validate_meta,
+)
+
+log = logging.getLogger("tokenkeep.store")
+T = TypeVar("T")
+
+# Faults that pass: Redis down or restarting (ConnectionError, BusyLoadingError is one),
+# slow (TimeoutError), a Sentinel failover in progress (ReadOnlyError from the old master,
+# MasterNotFoundError is a ConnectionError), a Cluster resharding or failing over
+# (TryAgain, ClusterDown/MasterDown), memory full. Anything else is a bug and stays loud.
+_TRANSIENT = (
+    RedisConnectionError,
+    RedisTimeoutError,
+    ReadOnlyError,
+    TryAgainError,
+    ClusterDownError,
+    OutOfMemoryError,
+    RedisClusterException,
+    OSError,
+    TimeoutError,
 )
 
 
@@ -60,16 +99,123 @@ def _id_bitmap(turn_ids: Collection[int]) -> bytes:
     return np.packbits(bits, bitorder="little").tobytes()
 
 
-class RedisStore:
-    """SessionStore on Redis (redis-py asyncio; hiredis parses replies when installed)."""
+def _hosts(netloc: str) -> list[tuple[str, int]]:
+    hosts = []
+    for part in netloc.rpartition("@")[2].split(","):
+        host, _, port = part.rpartition(":") if ":" in part else (part, "", "")
+        hosts.append((host.strip("[]") or "127.0.0.1", int(port or 6379)))
+    return hosts
 
-    def __init__(self, url: str, *, key_prefix: str = "tk") -> None:
-        self._redis = aioredis.Redis.from_url(url, decode_responses=False)
+
+def connect(url: str, *, timeout_s: float = 5.0) -> Any:
+    """A redis-py asyncio client for `url`:
+    - `redis://`, `rediss://` (TLS), `unix://`: one Redis server (redis-py's URL syntax);
+    - `redis+sentinel://[:password@]host:port[,host:port...]/<master name>[/db]`
+      (`rediss+sentinel://`: TLS to the data nodes; `?sentinel_password=` if the sentinels
+      ask for one): the master that the sentinels name, followed across failovers;
+    - `redis+cluster://[:password@]host:port[,host:port...]` (`rediss+cluster://`): a Redis
+      Cluster, any of its nodes to start from.
+    Commands are not retried by the client: RedisStore retries with its own backoff (it knows
+    which operations are safe to send twice)."""
+    parts = urlsplit(url)
+    scheme, _, topology = parts.scheme.partition("+")
+    options: dict[str, Any] = {
+        "decode_responses": False,
+        "socket_timeout": timeout_s,
+        "socket_connect_timeout": min(1.0, timeout_s),
+        "password": unquote(parts.password) if parts.password else None,
+        "username": unquote(parts.username) if parts.username else None,
+    }
+    if scheme == "rediss":
+        options["ssl"] = True
+    query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+    if topology == "sentinel":
+        service, _, db = parts.path.strip("/").partition("/")
+        if not service:
+            raise ValueError(f"{url}: name the master, redis+sentinel://host:port/<name>")
+        sentinel = Sentinel(
+            _hosts(parts.netloc),
+            sentinel_kwargs={
+                "socket_timeout": min(1.0, timeout_s),
+                "socket_connect_timeout": min(1.0, timeout_s),
+                "password": query.get("sentinel_password"),
+            },
+            retry=Retry(NoBackoff(), 0),
+            **options,
+        )
+        return sentinel.master_for(service, db=int(db or 0))
+    if topology == "cluster":
+        nodes = [ClusterNode(host, port) for host, port in _hosts(parts.netloc)]
+        return RedisCluster(startup_nodes=nodes, **options)
+    if topology:
+        raise ValueError(f"{url}: unknown Redis URL scheme {parts.scheme!r}")
+    return aioredis.Redis.from_url(
+        url,
+        retry=Retry(NoBackoff(), 0),
+        **{k: v for k, v in options.items() if k not in ("password", "username", "ssl")},
+    )
+
+
+class RedisStore:
+    """SessionStore on Redis (redis-py asyncio; hiredis parses replies when installed).
+
+    Redis may go away (killed, restarted, loading its data, failing over): every operation
+    is retried with exponential backoff for up to `retry_s`, then raises StoreUnavailable.
+    Reconnection is the client's: the next command after a failure dials again. Appends are
+    retried too, safely: each carries a random token that the script remembers with the
+    session, so an append whose reply was lost returns the turns it stored.
+    `wait_replicas` > 0 acknowledges an append only after that many replicas have it
+    (Redis WAIT), else StoreUnavailable."""
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        key_prefix: str = "tk",
+        timeout_s: float = 5.0,
+        retry_s: float = 2.0,
+        wait_replicas: int = 0,
+        wait_timeout_ms: int = 1000,
+    ) -> None:
+        self._redis = connect(url, timeout_s=timeout_s)
         self._prefix = key_prefix
+        self._retry_s = retry_s
+        self._wait_replicas = wait_replicas
+        self._wait_timeout_ms = wait_timeout_ms
+        self._down_since: float | None = None
         self._lookup = self._redis.register_script(_script("lookup.lua"))
         self._append = self._redis.register_script(_script("append.lua"))
         self._create = self._redis.register_script(_script("create.lua"))
         self._delete = self._redis.register_script(_script("delete.lua"))
+        self._read_script = self._redis.register_script(_script("read.lua"))
+
+    async def _call(self, operation: Callable[[], Awaitable[T]]) -> T:
+        """Run `operation`, retrying transient faults with backoff within `retry_s`."""
+        deadline = time.monotonic() + self._retry_s
+        delay = 0.05
+        while True:
+            try:
+                result = await operation()
+            except _TRANSIENT as exc:
+                self._went_down(exc)
+                if time.monotonic() + delay > deadline:
+                    raise StoreUnavailable(f"session store unavailable: {_reason(exc)}") from None
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 0.5)
+                continue
+            self._came_back()
+            return result
+
+    def _went_down(self, exc: BaseException) -> None:
+        if self._down_since is None:
+            self._down_since = time.monotonic()
+            log.warning(json.dumps({"event": "store_unavailable", "reason": _reason(exc)}))
+
+    def _came_back(self) -> None:
+        if self._down_since is not None:
+            down_s = round(time.monotonic() - self._down_since, 3)
+            self._down_since = None
+            log.warning(json.dumps({"event": "store_available", "down_s": down_s}))
 
     def session_keys(self, session_id: str) -> list[str]:
         """Every key the session occupies: meta, turns, index, parents (in that order)."""
@@ -80,19 +226,22 @@ class RedisStore:
         validate_meta(meta)
         packed = encode_meta(meta)
         ttl_ms = "" if meta.ttl_seconds is None else str(round(meta.ttl_seconds * 1000))
-        created = await self._create(
-            keys=self.session_keys(meta.session_id), args=[packed, ttl_ms, new_incarnation()]
-        )
+        keys, args = self.session_keys(meta.session_id), [packed, ttl_ms, new_incarnation()]
+        # Retried safely: a creation whose reply was lost reads as "taken" and the caller
+        # then reads the session it created.
+        created = await self._call(lambda: self._create(keys=keys, args=args))
         if not created:
             raise SessionExists(meta.session_id)
         return decode_meta(packed)
 
     async def get_session(self, session_id: str) -> SessionMeta | None:
-        packed = await self._redis.hget(self.session_keys(session_id)[0], "meta")
+        meta_key = self.session_keys(session_id)[0]
+        packed = await self._call(lambda: self._redis.hget(meta_key, "meta"))
         return None if packed is None else decode_meta(packed)
 
     async def delete_session(self, session_id: str) -> bool:
-        return bool(await self._delete(keys=self.session_keys(session_id)))
+        keys = self.session_keys(session_id)
+        return bool(await self._call(lambda: self._delete(keys=keys)))
 
     async def lookup(
         self,
@@ -116,7 +265,8 @@ class RedisStore:
         ]
         if input_key is not None:
             args.append(input_key)
-        reply = await self._lookup(keys=self.session_keys(session_id), args=args)
+        keys = self.session_keys(session_id)
+        reply = await self._call(lambda: self._lookup(keys=keys, args=args))
         if reply is None:
             raise SessionNotFound(session_id)
 
@@ -160,6 +310,7 @@ class RedisStore:
     ) -> list[int]:
         batch = encode_append(turns, keys)
         args: list[bytes | str | int] = [
+            secrets.token_hex(8),
             len(batch.blobs),
             batch.segments,
             batch.tokens,
@@ -168,26 +319,47 @@ class RedisStore:
         ]
         for parent, blob, turn_keys in zip(batch.parents, batch.blobs, batch.keys, strict=True):
             args += [parent, blob, len(turn_keys), *turn_keys]
-        reply = await self._append(keys=self.session_keys(session_id), args=args)
+        keys = self.session_keys(session_id)
+        reply = await self._call(lambda: self._append(keys=keys, args=args))
         status = reply[0]
         if status == b"gone":
             raise SessionNotFound(session_id)
         if status == b"parent":
             raise UnknownParent(f"session {session_id} has no turn {int(reply[1])}")
         first = int(reply[1])
+        if self._wait_replicas:
+            await self._await_replicas(session_id)
         return list(range(first, first + len(batch.blobs)))
+
+    async def _await_replicas(self, session_id: str) -> None:
+        """WAIT for the replicas. WAIT covers the writes of its own connection, and the pool
+        may have sent the append on another one: a short-lived marker written in the
+        session's slot on WAIT's connection comes after the append in the replication
+        stream."""
+        marker = f"{self._prefix}:{{{session_id}}}:wait"
+
+        async def wait() -> int:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                pipe.set(marker, 1, px=1000)
+                pipe.execute_command("WAIT", self._wait_replicas, self._wait_timeout_ms)
+                return int((await pipe.execute())[1])
+
+        acked = await self._call(wait)
+        if acked < self._wait_replicas:
+            raise StoreUnavailable(
+                f"turn stored on the primary but only {acked} of {self._wait_replicas} "
+                f"replicas confirmed it within {self._wait_timeout_ms} ms"
+            )
 
     async def _read(self, session_id: str, key: str, command: str, *args: str | int) -> Any:
         """Run one read command on a session key, raising SessionNotFound if the session is
-        gone; one round trip (MULTI/EXEC) so the existence check and the read agree."""
-        meta_key = self.session_keys(session_id)[0]
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.exists(meta_key)
-            pipe.execute_command(command, key, *args)
-            exists, result = await pipe.execute()
-        if not exists:
+        gone; one script (a single slot, one round trip) so the existence check and the read
+        agree."""
+        keys = [self.session_keys(session_id)[0], key]
+        reply = await self._call(lambda: self._read_script(keys=keys, args=[command, *args]))
+        if not reply:
             raise SessionNotFound(session_id)
-        return result
+        return reply[1]
 
     async def resolve_key(self, session_id: str, key: str) -> int | None:
         index_key = self.session_keys(session_id)[2]
@@ -196,8 +368,11 @@ class RedisStore:
 
     async def all_turns(self, session_id: str) -> list[TurnRecord]:
         turns_key = self.session_keys(session_id)[1]
-        raw: dict[bytes, bytes] = await self._read(session_id, turns_key, "HGETALL")
-        records = (decode_turn(int(turn_id), blob) for turn_id, blob in raw.items())
+        flat: list[bytes] = await self._read(session_id, turns_key, "HGETALL")
+        records = (
+            decode_turn(int(turn_id), blob)
+            for turn_id, blob in zip(flat[0::2], flat[1::2], strict=True)
+        )
         return sorted(records, key=lambda r: r.turn_id)
 
     async def get_turns(self, session_id: str, turn_ids: list[int]) -> list[TurnRecord | None]:
@@ -212,7 +387,8 @@ class RedisStore:
         ]
 
     async def counters(self, session_id: str) -> SessionCounters:
-        fields = await self._redis.hgetall(self.session_keys(session_id)[0])
+        meta_key = self.session_keys(session_id)[0]
+        fields = await self._call(lambda: self._redis.hgetall(meta_key))
         if not fields:
             raise SessionNotFound(session_id)
         return _counters(fields)
@@ -221,20 +397,22 @@ class RedisStore:
         # SCAN, not an index: nothing is written per turn for browsing's sake, and on a
         # Cluster the client scans every node.
         pattern = f"{self._prefix}:{{*}}:meta"
-        keys = [key async for key in self._redis.scan_iter(match=pattern, count=1000)]
-        if not keys:
-            return []
-        async with self._redis.pipeline(transaction=False) as pipe:
-            for key in keys:
-                pipe.hgetall(key)
-            rows = await pipe.execute()
+
+        async def scan() -> list[dict[bytes, bytes]]:
+            keys = [key async for key in self._redis.scan_iter(match=pattern, count=1000)]
+            return [await self._redis.hgetall(key) for key in keys] if keys else []
+
+        rows = await self._call(scan)
         return [(decode_meta(f[b"meta"]), _counters(f)) for f in rows if f and b"meta" in f]
 
     async def ping(self) -> bool:
         try:
-            return bool(await self._redis.ping())
-        except (RedisError, OSError):
+            answered = bool(await self._redis.ping())
+        except (RedisError, RedisClusterException, OSError, TimeoutError) as exc:
+            self._went_down(exc)
             return False
+        self._came_back()
+        return answered
 
     async def close(self) -> None:
         await self._redis.aclose()
@@ -252,3 +430,7 @@ def _counters(fields: dict[bytes, bytes]) -> SessionCounters:
         },
         tokens=int(fields[b"tokens"]),
     )
+
+
+def _reason(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:300]
