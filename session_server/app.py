@@ -13,7 +13,8 @@ from fastapi import FastAPI, Request, Response
 
 from session_server import __version__
 from session_server.api import chat, completions, errors, health, messages, responses, sessions
-from session_server.api.session_ids import bearer_token
+from session_server.api.auth import Guard
+from session_server.api.limits import BodyLimit
 from session_server.engines import EngineClient
 from session_server.metrics import Metrics
 from session_server.sampling import generation_defaults
@@ -25,7 +26,6 @@ from session_server.tokenizer import load_tokenizer
 from session_server.turns import ServiceConfig, TurnService
 
 log = logging.getLogger("tokenkeep.requests")
-_UNAUTHENTICATED = ("/healthz", "/readyz", "/metrics")
 
 
 def build_service(
@@ -46,9 +46,13 @@ def build_service(
     context = settings.context_length or min(
         int(getattr(model.tokenizer, "model_max_length", 32768) or 32768), 1 << 20
     )
+    # No token is longer than the vocabulary's longest entry, so a text with more characters
+    # than this cannot fit the context, and is refused without being tokenized.
+    longest_token = max((len(t) for t in model.tokenizer.get_vocab()), default=1)
     config = ServiceConfig(
         model_name=settings.model,
         context_length=context,
+        max_text_chars=context * longest_token,
         create_on_first_use=settings.create_sessions_on_first_use,
         default_ttl_seconds=settings.session_ttl_seconds,
         sampling_overrides=settings.sampling_overrides,
@@ -84,19 +88,15 @@ def create_app(settings: Settings, service: TurnService | None = None) -> FastAP
     errors.install(app)
     for module in (chat, messages, responses, completions, sessions, health):
         app.include_router(module.router)
+    # Innermost first: credentials are checked, then the body size, then the access log
+    # (outermost) records whatever the answer was.
+    app.add_middleware(Guard, settings=settings, service=service)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
 
     @app.middleware("http")
     async def access_log(request: Request, call_next: Any) -> Response:
         started = time.perf_counter()
-        if settings.api_key and request.url.path not in _UNAUTHENTICATED:
-            presented = request.headers.get("x-api-key") or bearer_token(
-                request.headers.get("authorization")
-            )
-            if presented != settings.api_key:
-                response: Response = errors.error_response(request, 401, "missing or wrong API key")
-                _log_line(request, response.status_code, started)
-                return response
-        response = await call_next(request)
+        response: Response = await call_next(request)
         _log_line(request, response.status_code, started)
         api = getattr(request.state, "api", None)
         if api:

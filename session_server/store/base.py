@@ -65,6 +65,8 @@ class SessionMeta:
     metadata: dict[str, Any] = field(default_factory=dict)
     normalization: list[dict[str, Any]] = field(default_factory=list)
     """Volatile-prompt rules (see session_server.conversation); empty = off."""
+    key_hash: str = ""
+    """SHA-256 of the session's API key (session_server.api.auth); empty: none issued."""
 
 
 def new_incarnation() -> str:
