@@ -51,7 +51,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--max-body-bytes",
         type=int,
-        help="largest request body; larger get 413 (TOKENKEEP_MAX_BODY_BYTES, default 32 MiB)",
+        help="largest request body; larger get 413 (TOKENKEEP_MAX_BODY_BYTES, default 8 MiB)",
     )
     p.add_argument("--log-level", default=env("TOKENKEEP_LOG_LEVEL", "info"))
 

@@ -271,7 +271,7 @@ MAX_RULES = 16
 MAX_RULE_PATTERN_CHARS = 512
 MAX_RULE_MATCHES = 8
 """Matches one rule removes from one message text; the rest of that text is compared as is."""
-NORMALIZATION_BUDGET = 64 << 20
+NORMALIZATION_BUDGET = 16 << 20
 """Worst-case characters the rules of one request may scan (see `check_normalization_cost`)."""
 _RE2_MAX_MEM = 1 << 20
 """Memory for one compiled rule: refuses patterns whose automaton would be huge."""

@@ -45,7 +45,7 @@ class Settings(BaseSettings):
     setups only)."""
     insecure: bool = False
     """With no admin key, answer every client, not only loopback ones."""
-    max_body_bytes: int = Field(default=32 << 20, ge=1024)
+    max_body_bytes: int = Field(default=8 << 20, ge=1024)
     """Largest request body accepted; larger ones get 413 before they are read."""
     log_level: str = "info"
 
