@@ -59,7 +59,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from session_server.api.auth import listen_problem, mode_line
+    from session_server.api.auth import listen_problem, log_mode
     from session_server.app import create_app
     from session_server.settings import Settings
 
@@ -75,7 +75,7 @@ def serve(args: argparse.Namespace) -> int:
         print(f"tokenkeep serve: {problem}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(message)s")
-    logging.getLogger("tokenkeep").info(mode_line(settings))
+    log_mode(settings)
     app = create_app(settings)
     uvicorn.run(
         app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import ipaddress
+import logging
 import re
 import secrets
 from typing import Any
@@ -83,17 +84,21 @@ def listen_problem(settings: Settings) -> str | None:
     )
 
 
-def mode_line(settings: Settings) -> str:
-    """The start-up log line that says how requests are authenticated."""
-    if settings.admin_key:
-        extra = "; tk-<session id> keys accepted" if settings.session_id_keys else ""
-        return f"auth: admin key and per-session keys required{extra}"
-    if settings.insecure:
-        return "auth: INSECURE: no credentials checked, for any client (--insecure)"
-    return (
-        "auth: protected mode: no admin key configured, so loopback clients are answered "
-        "without credentials and all other clients are refused"
-    )
+def log_mode(settings: Settings) -> None:
+    """The one start-up log line that says how requests are authenticated (a warning
+    wherever something is left open)."""
+    log = logging.getLogger("tokenkeep")
+    if settings.admin_key and not settings.session_id_keys:
+        log.info("auth: admin key and per-session keys required")
+    elif settings.admin_key:
+        log.warning("auth: admin key and per-session keys required; tk-<session id> keys accepted")
+    elif settings.insecure:
+        log.warning("auth: INSECURE: no credentials checked, for any client (--insecure)")
+    else:
+        log.warning(
+            "auth: protected mode: no admin key configured, so loopback clients are answered "
+            "without credentials and all other clients are refused"
+        )
 
 
 class Guard:

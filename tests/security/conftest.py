@@ -67,9 +67,9 @@ class LiveServer:
 def start_server(tmp: Path, double: EngineDouble, *args: str) -> LiveServer:
     port = _free_loopback_port()
     log = tmp / f"serve-{port}.log"
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith("TOKENKEEP_")
-    } | {"TOKENKEEP_LOG_LEVEL": "warning"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENKEEP_")} | {
+        "TOKENKEEP_LOG_LEVEL": "warning"
+    }
     command = [
         sys.executable,
         "-m",
