@@ -19,6 +19,7 @@ PLURALS = {
     "PersistentVolumeClaim": "persistentvolumeclaims",
     "Pod": "pods",
     "PodDisruptionBudget": "poddisruptionbudgets",
+    "Secret": "secrets",
     "Service": "services",
     "ServiceAccount": "serviceaccounts",
     "SessionServer": "sessionservers",

@@ -84,6 +84,15 @@ class Reconciler:
                 self._record_apply_failure(body, message)
                 raise ApplyError(message) from error
 
+    def _create_admin_key(self, owner: Owner) -> None:
+        """Create the generated admin-key Secret unless it exists. Create-only (the operator
+        may not read Secrets): applying it would replace the key on every reconcile."""
+        try:
+            self.kube.create(session.admin_key_secret(owner))
+        except ApiException as error:
+            if error.status != 409:  # 409: it exists, which is the usual case
+                raise
+
     def _record_apply_failure(self, body: dict[str, Any], message: str) -> None:
         generation = body["metadata"].get("generation", 1)
         conditions = list(body.get("status", {}).get("conditions", []))
@@ -219,7 +228,10 @@ class Reconciler:
             inputs = self._session_inputs(body)
             if not isinstance(inputs, list):
                 spec, ms_name, ms_spec, _ = inputs
-                objects = session.render(_owner(body), spec, ms_name, ms_spec, self.default_image)
+                owner = _owner(body)
+                objects = session.render(owner, spec, ms_name, ms_spec, self.default_image)
+                if spec.api_key_secret_ref is None:
+                    self._create_admin_key(owner)
                 self._apply_all(body, objects)
                 body = self.kube.get_custom("SessionServer", namespace, name) or body
             self._write_status(body, self.session_server_status(body))

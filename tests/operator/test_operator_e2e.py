@@ -361,3 +361,27 @@ def test_bad_specs_are_reported_not_retried_hot(
     eventually(lambda: get(api, f"{APPS}/deployments/rollouts-sessions"))
     eventually(lambda: conditions(get(api, ss_path))["Degraded"][1] != "InvalidSpec")
     assert get(api, ss_path)["status"]["observedGeneration"] == 2
+
+
+def test_sessionserver_gets_a_generated_admin_key(api: httpx.Client, operator: KopfRunner) -> None:
+    """Without apiKeySecretRef the operator creates `<name>-admin-key` once (the server
+    refuses to listen on 0.0.0.0 without one) and never rewrites it on later reconciles."""
+    create(api, f"{CR}/modelservers", load_example("modelserver-qwen3-8b.yaml"))
+    body = load_example("sessionserver.yaml")
+    del body["spec"]["apiKeySecretRef"]
+    create(api, f"{CR}/sessionservers", body)
+    secret_path = f"{CORE}/secrets/rollouts-admin-key"
+    secret = eventually(lambda: get(api, secret_path))
+    key = secret.get("stringData", secret.get("data", {}))["admin-key"]
+    assert len(key) >= 40
+    assert secret["metadata"]["ownerReferences"][0]["kind"] == "SessionServer"
+    deployment = eventually(lambda: get(api, f"{APPS}/deployments/rollouts-sessions"))
+    env = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+    admin = next(e for e in env if e["name"] == "TOKENKEEP_ADMIN_KEY")
+    assert admin["valueFrom"]["secretKeyRef"] == {"name": "rollouts-admin-key", "key": "admin-key"}
+
+    patch(api, f"{CR}/sessionservers/rollouts", {"spec": {"replicas": 1}})
+    eventually(lambda: get(api, f"{APPS}/deployments/rollouts-sessions")["spec"]["replicas"] == 1)
+    again = get(api, secret_path)
+    assert again is not None
+    assert again.get("stringData", again.get("data", {}))["admin-key"] == key

@@ -45,6 +45,11 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 - apiGroups: [""]
   resources: ["services", "configmaps", "serviceaccounts", "persistentvolumeclaims"]
   verbs: ["get", "list", "watch", "create", "patch"]
+# Secrets: create only, for each SessionServer's generated admin key. The operator can
+# never read a Secret, so it hands no key to anyone: admins read it from the Secret.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["create"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "list", "watch", "create", "patch"]
