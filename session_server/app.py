@@ -11,8 +11,7 @@ from types import FrameType
 
 import orjson
 import uvicorn
-from fastapi import FastAPI, Request
-from starlette.datastructures import Headers
+from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from session_server import __version__
@@ -27,7 +26,8 @@ from session_server.api import (
     sessions,
     viewer,
 )
-from session_server.api.session_ids import bearer_token
+from session_server.api.auth import Guard
+from session_server.api.limits import BodyLimit
 from session_server.engines import EngineClient
 from session_server.metrics import Metrics
 from session_server.sampling import generation_defaults
@@ -39,7 +39,6 @@ from session_server.tokenizer import load_tokenizer
 from session_server.turns import ServiceConfig, TurnService
 
 log = logging.getLogger("tokenkeep.requests")
-_UNAUTHENTICATED = ("/healthz", "/readyz", "/metrics")
 
 
 def build_service(
@@ -60,9 +59,13 @@ def build_service(
     context = settings.context_length or min(
         int(getattr(model.tokenizer, "model_max_length", 32768) or 32768), 1 << 20
     )
+    # No token is longer than the vocabulary's longest entry, so a text with more characters
+    # than this cannot fit the context, and is refused without being tokenized.
+    longest_token = max((len(t) for t in model.tokenizer.get_vocab()), default=1)
     config = ServiceConfig(
         model_name=settings.model,
         context_length=context,
+        max_text_chars=context * longest_token,
         create_on_first_use=settings.create_sessions_on_first_use,
         default_ttl_seconds=settings.session_ttl_seconds,
         sampling_overrides=settings.sampling_overrides,
@@ -115,22 +118,23 @@ def create_app(settings: Settings, service: TurnService | None = None) -> FastAP
     errors.install(app)
     for module in (chat, messages, responses, completions, sessions, health, viewer):
         app.include_router(module.router)
-    # Inside the access log, so refusals are logged and counted like any answer.
+    # Innermost first: a request is admitted (bounded in-flight work) only after its
+    # credentials are checked and its body size, and the access log (outermost) records
+    # whatever the answer was, refusals included.
     app.add_middleware(AdmissionMiddleware, admission=admission)
-    app.add_middleware(AccessLog, settings=settings, metrics=service.metrics, admission=admission)
+    app.add_middleware(Guard, settings=settings, service=service)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(AccessLog, metrics=service.metrics, admission=admission)
     return app
 
 
 class AccessLog:
-    """API-key check, one JSON log line and the request metrics, as a pure ASGI middleware:
+    """One JSON log line and the request metrics, as a pure ASGI middleware:
     `@app.middleware("http")` (Starlette's BaseHTTPMiddleware) costs a task group and a
     memory stream per request and relays every streamed frame through them."""
 
-    def __init__(
-        self, app: ASGIApp, *, settings: Settings, metrics: Metrics, admission: Admission
-    ) -> None:
+    def __init__(self, app: ASGIApp, *, metrics: Metrics, admission: Admission) -> None:
         self.app = app
-        self.api_key = settings.api_key
         self.metrics = metrics
         self.admission = admission
 
@@ -139,15 +143,6 @@ class AccessLog:
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()
-        if self.api_key and scope["path"] not in _UNAUTHENTICATED:
-            headers = Headers(scope=scope)
-            presented = headers.get("x-api-key") or bearer_token(headers.get("authorization"))
-            if presented != self.api_key:
-                request = Request(scope)
-                response = errors.error_response(request, 401, "missing or wrong API key")
-                await response(scope, receive, send)
-                _log_line(scope, 401, started)
-                return
         status = 500  # unless a response starts: an exception escaped every handler
 
         async def send_status(message: Message) -> None:

@@ -59,12 +59,36 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     for flag, kind, help_text in limits:
         p.add_argument(flag, type=kind, help=help_text)
+    p.add_argument(
+        "--admin-key",
+        help="key for management, export and POST /sessions (TOKENKEEP_ADMIN_KEY); "
+        "unset: protected mode, loopback clients only",
+    )
+    p.add_argument(
+        "--session-id-keys",
+        action="store_true",
+        default=None,
+        help="accept tk-<session id> as a session key: derivable from the id, trusted setups "
+        "only (TOKENKEEP_SESSION_ID_KEYS)",
+    )
+    p.add_argument(
+        "--insecure",
+        action="store_true",
+        default=None,
+        help="with no admin key, answer every client, not only loopback (TOKENKEEP_INSECURE)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        help="largest request body; larger get 413 (TOKENKEEP_MAX_BODY_BYTES, default 8 MiB)",
+    )
     p.add_argument("--log-level", default=env("TOKENKEEP_LOG_LEVEL", "info"))
 
 
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from session_server.api.auth import listen_problem, log_mode
     from session_server.app import GracefulServer, create_app
     from session_server.settings import Settings
 
@@ -75,7 +99,12 @@ def serve(args: argparse.Namespace) -> int:
     if not settings.engine_urls:
         print("tokenkeep serve: give --engine-url (or TOKENKEEP_ENGINE_URLS)", file=sys.stderr)
         return 2
+    problem = listen_problem(settings)
+    if problem:
+        print(f"tokenkeep serve: {problem}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(message)s")
+    log_mode(settings)
     app = create_app(settings)
     config = uvicorn.Config(
         app,

@@ -14,9 +14,11 @@ import ast
 import functools
 import hashlib
 import json
-import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
+
+import re2
 
 Role = Literal["system", "user", "assistant", "tool"]
 ROLES: frozenset[str] = frozenset({"system", "user", "assistant", "tool"})
@@ -113,14 +115,14 @@ def validate(conversation: Conversation) -> None:
 # --- canonical forms -------------------------------------------------------------------
 
 
-def canonical_text(text: str | None, rules: list[re.Pattern[str]] | None = None) -> str:
+def canonical_text(text: str | None, rules: list[Rule] | None = None) -> str:
     """Text as the fingerprint sees it: volatile parts removed, line endings unified,
     surrounding whitespace dropped (templates `| trim` it and harnesses strip it)."""
     if not text:
         return ""
     if rules:
         for rule in rules:
-            text = rule.sub("", text)
+            text = rule.sub("", text, count=MAX_RULE_MATCHES)
     return text.replace("\r\n", "\n").strip()
 
 
@@ -173,7 +175,7 @@ def _canonical(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def message_fingerprint(message: Message, rules: list[re.Pattern[str]] | None = None) -> bytes:
+def message_fingerprint(message: Message, rules: list[Rule] | None = None) -> bytes:
     """What must be equal for two messages to be the same turn of history."""
     parts: list[str] = [message.role, canonical_text(message.content, rules)]
     if message.role == "assistant":
@@ -198,7 +200,7 @@ def tools_fingerprint(tools: list[Tool]) -> bytes:
     return "\x1e".join(canonical).encode("utf-8", "surrogatepass")
 
 
-def message_digest(message: Message, rules: list[re.Pattern[str]] | None = None) -> bytes:
+def message_digest(message: Message, rules: list[Rule] | None = None) -> bytes:
     """A short hash of the message's fingerprint. Memoised (without rules): every request
     resends the whole history, so a long session would otherwise canonicalise and hash the
     same tool outputs once per message per turn."""
@@ -231,7 +233,7 @@ class Lineage:
     assistant_positions: list[int]
     """Indices j where messages[j] is an assistant message (where a stored turn can end)."""
     _last: bytes
-    _rules: list[re.Pattern[str]] | None = None
+    _rules: list[Rule] | None = None
 
     @property
     def input_key(self) -> str:
@@ -248,7 +250,7 @@ class Lineage:
 
 def lineage(
     conversation: Conversation,
-    rules: list[re.Pattern[str]] | None = None,
+    rules: list[Rule] | None = None,
     *,
     after: str | None = None,
 ) -> Lineage:
@@ -268,15 +270,73 @@ def lineage(
     return Lineage(keys=keys, assistant_positions=assistant_positions, _last=state, _rules=rules)
 
 
-def compile_rules(rules: list[dict[str, Any]]) -> list[re.Pattern[str]]:
-    """Session normalisation rules (`{"pattern": regex}`) to compiled patterns."""
-    compiled: list[re.Pattern[str]] = []
+MAX_RULES = 16
+MAX_RULE_PATTERN_CHARS = 512
+MAX_RULE_MATCHES = 8
+"""Matches one rule removes from one message text; the rest of that text is compared as is."""
+NORMALIZATION_BUDGET = 16 << 20
+"""Worst-case characters the rules of one request may scan (see `check_normalization_cost`)."""
+_RE2_MAX_MEM = 1 << 20
+"""Memory for one compiled rule: refuses patterns whose automaton would be huge."""
+
+
+class Rule(Protocol):
+    """A compiled normalisation rule (an RE2 regular expression)."""
+
+    def sub(self, repl: str, text: str, count: int = 0) -> str: ...
+
+    def finditer(self, text: str) -> Iterator[Any]: ...
+
+
+def compile_rules(rules: list[dict[str, Any]]) -> list[Rule]:
+    """Session normalisation rules (`{"pattern": regex}`) to compiled patterns.
+
+    Rules come from clients, so they run on RE2: matching is linear in the text (no
+    backtracking: `(a+)+$` costs what `a+$` costs), and RE2 refuses what it cannot do in
+    linear time (backreferences, lookaround). Searching again after each match is what can
+    still be slow, hence `MAX_RULE_MATCHES` and `check_normalization_cost`."""
+    if len(rules) > MAX_RULES:
+        raise ConversationError(f"at most {MAX_RULES} normalization rules", param="normalization")
+    compiled: list[Rule] = []
     for i, rule in enumerate(rules):
         pattern = rule.get("pattern") if isinstance(rule, dict) else None
         if not isinstance(pattern, str):
             raise ConversationError("normalization rules need a 'pattern' string", param=str(i))
+        if len(pattern) > MAX_RULE_PATTERN_CHARS:
+            raise ConversationError(
+                f"normalization patterns are at most {MAX_RULE_PATTERN_CHARS} characters",
+                param=str(i),
+            )
         try:
-            compiled.append(re.compile(pattern, re.MULTILINE))
-        except re.error as exc:
-            raise ConversationError(f"bad normalization pattern: {exc}", param=str(i)) from exc
+            compiled.append(_compile_rule(pattern))
+        except re2.error as exc:
+            reason = exc.args[0].decode() if exc.args and isinstance(exc.args[0], bytes) else exc
+            raise ConversationError(
+                f"bad normalization pattern (RE2 syntax, no backreferences or lookaround): "
+                f"{reason}",
+                param=str(i),
+            ) from exc
     return compiled
+
+
+@functools.lru_cache(maxsize=1024)
+def _compile_rule(pattern: str) -> Rule:
+    options = re2.Options()
+    options.log_errors = False
+    options.max_mem = _RE2_MAX_MEM
+    return re2.compile("(?m)" + pattern, options)  # type: ignore[no-any-return]
+
+
+def check_normalization_cost(conversation: Conversation, rules: list[Rule]) -> None:
+    """Refuse a request whose rules could scan more than `NORMALIZATION_BUDGET` characters:
+    each rule searches each message text at most `MAX_RULE_MATCHES + 1` times, each search
+    linear in the text. Bounds the time one request spends normalising on the event loop."""
+    chars = sum(len(m.content or "") for m in conversation.messages)
+    worst = chars * len(rules) * (MAX_RULE_MATCHES + 1)
+    if worst > NORMALIZATION_BUDGET:
+        raise ConversationError(
+            f"this session's {len(rules)} normalization rule(s) cannot be applied to "
+            f"{chars} characters of messages (limit {NORMALIZATION_BUDGET} characters "
+            f"times rules times {MAX_RULE_MATCHES + 1} searches)",
+            param="messages",
+        )

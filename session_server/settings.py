@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any
 
-from pydantic import Field, field_validator
+from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="TOKENKEEP_", extra="ignore")
+    model_config = SettingsConfigDict(
+        env_prefix="TOKENKEEP_", extra="ignore", populate_by_name=True
+    )
 
     engine_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """vLLM replicas (TOKENKEEP_ENGINE_URLS, comma-separated)."""
@@ -50,9 +52,19 @@ class Settings(BaseSettings):
     create_sessions_on_first_use: bool = True
     sampling_overrides: dict[str, Any] = Field(default_factory=dict)
     """Server-wide sampling overrides (JSON), below a session's own."""
-    api_key: str | None = None
-    """If set, every request must present it (Bearer or x-api-key); the session then
-    comes from the path or X-Session-ID."""
+    admin_key: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("admin_key", "TOKENKEEP_ADMIN_KEY", "TOKENKEEP_API_KEY"),
+    )
+    """Opens every endpoint (Bearer or x-api-key). Unset: protected mode, loopback clients
+    only (see session_server.api.auth). TOKENKEEP_API_KEY is its older name."""
+    session_id_keys: bool = False
+    """Accept `tk-<session id>` as that session's key (derivable from the id: trusted
+    setups only)."""
+    insecure: bool = False
+    """With no admin key, answer every client, not only loopback ones."""
+    max_body_bytes: int = Field(default=8 << 20, ge=1024)
+    """Largest request body accepted; larger ones get 413 before they are read."""
     log_level: str = "info"
 
     @field_validator("engine_urls", mode="before")

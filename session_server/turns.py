@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import math
-import re
 import time
 import uuid
 from array import array
@@ -32,10 +32,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from session_server.conversation import (
+    MAX_RULE_MATCHES,
     Conversation,
     ConversationError,
     Lineage,
     Message,
+    Rule,
+    check_normalization_cost,
     compile_rules,
     lineage,
     validate,
@@ -99,6 +102,8 @@ class Plan:
 class ServiceConfig:
     model_name: str
     context_length: int
+    max_text_chars: int | None = None
+    """Message text longer than this cannot fit the context (refused before tokenizing)."""
     create_on_first_use: bool = True
     default_ttl_seconds: int | None = 86400
     sampling_overrides: dict[str, Any] = field(default_factory=dict)
@@ -152,6 +157,7 @@ class TurnService:
         metadata: dict[str, Any] | None = None,
         normalization: list[dict[str, Any]] | None = None,
         return_token_ids: bool | None = None,
+        key_hash: str = "",
     ) -> SessionMeta:
         if normalization:
             compile_rules(normalization)  # reject bad patterns before anything is stored
@@ -163,6 +169,7 @@ class TurnService:
             metadata=dict(metadata or {}),
             normalization=list(normalization or []),
             return_token_ids=return_token_ids,
+            key_hash=key_hash,
         )
         try:
             created = await self.store.create_session(meta)
@@ -196,8 +203,19 @@ class TurnService:
 
     # --- planning ---------------------------------------------------------------------
 
+    def check_fits(self, chars: int, param: str = "messages") -> None:
+        """Refuse text that cannot fit the context before spending time tokenizing it."""
+        limit = self.config.max_text_chars
+        if limit is not None and chars > limit:
+            raise ConversationError(
+                f"{chars} characters cannot fit the model's context of "
+                f"{self.config.context_length} tokens",
+                param=param,
+            )
+
     async def plan(self, session_id: str, conversation: Conversation) -> Plan:
         validate(conversation)
+        self.check_fits(text_chars(conversation))
         return await self._fresh_session_retry(
             session_id, lambda: self._plan_messages(session_id, conversation)
         )
@@ -210,7 +228,10 @@ class TurnService:
         try:
             return await attempt()
         except SessionNotFound:
-            if self._sessions.pop(session_id, None) is None:
+            stale = self._sessions.pop(session_id, None)
+            if stale is None or stale.key_hash:
+                # A session issued a key was created on purpose: gone means gone, and its
+                # key must not bring it back.
                 raise
             self._records.pop(session_id, None)
             return await attempt()
@@ -219,6 +240,8 @@ class TurnService:
         started = time.perf_counter()
         meta = await self.session(session_id)
         rules = compile_rules(meta.normalization) if meta.normalization else None
+        if rules:
+            check_normalization_cost(conversation, rules)
         if conversation.previous_response_id:
             found, keys = await self._continue_response(session_id, conversation, rules)
         else:
@@ -331,7 +354,7 @@ class TurnService:
         return plan
 
     async def _continue_response(
-        self, session_id: str, conversation: Conversation, rules: list[re.Pattern[str]] | None
+        self, session_id: str, conversation: Conversation, rules: list[Rule] | None
     ) -> tuple[LookupResult, Lineage]:
         """A Responses API request that names the turn it continues and sends only the
         items after it. The lineage continues from that turn's stored reply key, so a later
@@ -745,12 +768,23 @@ def return_token_ids(conversation: Conversation, session: SessionMeta) -> bool:
     return conversation.api == "completions"
 
 
-def volatile_parts(conversation: Conversation, rules: list[re.Pattern[str]]) -> list[str]:
+def text_chars(conversation: Conversation) -> int:
+    """Characters of text in a request that would be tokenized (an upper bound)."""
+    return sum(
+        len(m.content or "")
+        + len(m.reasoning or "")
+        + sum(len(c.arguments) + len(c.name) for c in m.tool_calls)
+        for m in conversation.messages
+    )
+
+
+def volatile_parts(conversation: Conversation, rules: list[Rule]) -> list[str]:
     """What normalisation ignored, so the difference is on record (a few, truncated)."""
     found: list[str] = []
     for message in conversation.messages:
         for rule in rules:
-            for match in rule.finditer(message.content or ""):
+            matches = rule.finditer(message.content or "")
+            for match in itertools.islice(matches, MAX_RULE_MATCHES):
                 part = match.group(0)[:200]
                 if part not in found:
                     found.append(part)

@@ -24,6 +24,7 @@ PLURALS = {
     "PersistentVolumeClaim": "persistentvolumeclaims",
     "Pod": "pods",
     "PodDisruptionBudget": "poddisruptionbudgets",
+    "Secret": "secrets",
     "Service": "services",
     "ServiceAccount": "serviceaccounts",
     "SessionServer": "sessionservers",

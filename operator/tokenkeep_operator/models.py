@@ -300,7 +300,11 @@ class SessionServerSpec(CRDModel):
         description="Sampling parameters that win over what harnesses send (e.g. temperature).",
     )
     api_key_secret_ref: SecretKeyRef | None = Field(
-        None, description="Secret key holding the API key clients must present."
+        None,
+        description=(
+            "Secret key holding the admin key (management, export, POST /sessions). "
+            "Default: a generated Secret <name>-admin-key, key admin-key."
+        ),
     )
     resources: ResourceRequirements = Field(
         ResourceRequirements(requests={"cpu": "500m", "memory": "1Gi"}, limits={"memory": "4Gi"}),

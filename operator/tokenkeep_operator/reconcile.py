@@ -186,6 +186,20 @@ class Reconciler:
         )
         self.kube.post_event(body, "Warning", "APINotServed", message)
 
+    def _create_admin_key(self, owner: Owner) -> str | None:
+        """Create the generated admin-key Secret unless it exists; the refusal's message if
+        the server refuses it. Create-only (the operator may not read Secrets): applying it
+        would replace the key on every reconcile."""
+        try:
+            self.kube.create(session.admin_key_secret(owner))
+        except ApiException as error:
+            if error.status == 409:  # it exists, which is the usual case
+                return None
+            if _transient(error):
+                raise
+            return f"Secret {owner.name}-admin-key: {error_message(error)}"
+        return None
+
     def _write_status(self, body: dict[str, Any], new: dict[str, Any]) -> None:
         previous = body.get("status") or {}
         old_conditions = previous.get("conditions", [])
@@ -307,8 +321,13 @@ class Reconciler:
             refused: list[str] = []
             if not isinstance(inputs, list):
                 spec, ms_name, ms_spec, _ = inputs
-                objects = session.render(_owner(body), spec, ms_name, ms_spec, self.default_image)
+                owner = _owner(body)
+                objects = session.render(owner, spec, ms_name, ms_spec, self.default_image)
+                # The key first: the session server's pods read it from this Secret.
+                problem = self._create_admin_key(owner) if spec.api_key_secret_ref is None else None
                 refused = self._apply_all(body, objects)
+                if problem:
+                    refused.append(problem)
             self._finish(body, self.session_server_status(body, inputs), refused)
 
     def session_server_status(

@@ -16,6 +16,7 @@ from session_server.api.chat import (
     to_conversation,
 )
 from session_server.api.errors import APIError
+from session_server.turns import text_chars
 
 router = APIRouter()
 
@@ -71,8 +72,10 @@ class DetokenizeRequest(BaseModel):
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
-    model = request.app.state.turns.model
+    service = request.app.state.turns
+    model = service.model
     if body.prompt is not None:
+        service.check_fits(len(body.prompt), param="prompt")
         tokens = list(
             model.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         )
@@ -80,8 +83,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         conversation = to_conversation(
             ChatCompletionRequest(messages=body.messages or [], tools=body.tools)
         )
+        service.check_fits(text_chars(conversation))
         tokens = model.render_prompt(conversation.messages, conversation.tools)
-    config = request.app.state.turns.config
+    config = service.config
     return {"count": len(tokens), "max_model_len": config.context_length, "tokens": tokens}
 
 

@@ -42,6 +42,7 @@ from session_server.results import (
     StreamStarted,
     TurnResult,
 )
+from session_server.turns import text_chars
 
 router = APIRouter(route_class=LeanRoute)
 
@@ -480,6 +481,7 @@ async def _count_tokens(session_id: str, wire: CountTokensRequest, request: Requ
     service = request.app.state.turns
     request.state.session_id = session_id
     request.state.api = "messages"
+    service.check_fits(text_chars(conversation))
     prompt = service.model.render_prompt(conversation.messages, conversation.tools)
     return {"input_tokens": len(prompt)}
 

@@ -12,6 +12,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from session_server import export
+from session_server.api.auth import issue_session_key
 from session_server.api.errors import APIError
 from session_server.api.session_ids import SESSION_ID_PATTERN, check_session_id
 
@@ -26,7 +27,7 @@ class CreateSession(BaseModel):
     metadata: dict[str, Any] | None = None
     ttl_seconds: int | None = Field(default=None, ge=1)
     normalization: list[dict[str, Any]] | None = None
-    """Volatile-prompt rules: [{"pattern": regex}]; matches are ignored when comparing
+    """Volatile-prompt rules: [{"pattern": RE2 regex}]; matches are ignored when comparing
     history. Off by default: see docs/harnesses.md for the trade-off."""
     return_token_ids: bool | None = None
     """Replies carry `prompt_token_ids` / `token_ids` unless a request says otherwise
@@ -39,7 +40,6 @@ def _urls(request: Request, session_id: str) -> dict[str, str]:
     return {
         "openai_base_url": f"{base}/sessions/{session_id}/v1",
         "anthropic_base_url": f"{base}/sessions/{session_id}",
-        "api_key": f"tk-{session_id}",
     }
 
 
@@ -50,6 +50,7 @@ async def create_session(request: Request, body: CreateSession | None = None) ->
     session_id = body.id or uuid.uuid4().hex
     if body.id and await service.store.get_session(session_id) is not None:
         raise APIError(409, f"session {session_id!r} already exists", param="id")
+    api_key, key_hash = issue_session_key(session_id)
     meta = await service.create_session(
         session_id,
         ttl_seconds=body.ttl_seconds if body.ttl_seconds is not None else -1,
@@ -57,7 +58,10 @@ async def create_session(request: Request, body: CreateSession | None = None) ->
         metadata=body.metadata,
         normalization=body.normalization,
         return_token_ids=body.return_token_ids,
+        key_hash=key_hash,
     )
+    if meta.key_hash != key_hash:  # created concurrently by another request: not ours
+        raise APIError(409, f"session {session_id!r} already exists", param="id")
     return {
         "id": meta.session_id,
         "created_at": meta.created_at,
@@ -65,6 +69,8 @@ async def create_session(request: Request, body: CreateSession | None = None) ->
         "sampling": meta.sampling_overrides,
         "metadata": meta.metadata,
         **_urls(request, meta.session_id),
+        # The only time the key is shown: the store keeps its digest only.
+        "api_key": api_key,
     }
 
 

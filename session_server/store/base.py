@@ -68,6 +68,8 @@ class SessionMeta:
     return_token_ids: bool | None = None
     """Replies carry `prompt_token_ids` / `token_ids` unless a request says otherwise
     (None: each API's default)."""
+    key_hash: str = ""
+    """SHA-256 of the session's API key (session_server.api.auth); empty: none issued."""
 
 
 def new_incarnation() -> str:

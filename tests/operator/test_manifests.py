@@ -217,7 +217,7 @@ def test_session_server_points_at_every_engine_replica_and_its_redis() -> None:
     assert statefulset["spec"]["volumeClaimTemplates"][0]["spec"]["resources"] == {
         "requests": {"storage": "20Gi"}
     }
-    api_key = next(e for e in env if e["name"] == "TOKENKEEP_API_KEY")
+    api_key = next(e for e in env if e["name"] == "TOKENKEEP_ADMIN_KEY")
     assert api_key["valueFrom"]["secretKeyRef"] == {"name": "tokenkeep-api-key", "key": "api-key"}
     container = objects[-1]["spec"]["template"]["spec"]["containers"][0]
     assert container["image"] == IMAGE

@@ -51,6 +51,11 @@ OwnerReferencesPermissionEnforcement admission plugin is on (OpenShift has it by
 - apiGroups: [""]
   resources: ["services", "configmaps", "serviceaccounts", "persistentvolumeclaims"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# Secrets: create only, for each SessionServer's generated admin key. The operator can
+# never read a Secret, so it hands no key to anyone: admins read it from the Secret.
+- apiGroups: [""]
+  resources: ["secrets"]
+  verbs: ["create"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 from typing import Any
 
 from tokenkeep_operator.manifests import engine, redis
@@ -22,13 +23,14 @@ from tokenkeep_operator.manifests.common import (
     selector_labels,
     service_account,
 )
-from tokenkeep_operator.models import ModelServerSpec, SessionServerSpec
+from tokenkeep_operator.models import ModelServerSpec, SecretKeyRef, SessionServerSpec
 
 APP = "tokenkeep"
 COMPONENT = "session-server"
 PORT = 8000
 # The non-root user of the tokenkeep image (see the Dockerfile).
 TOKENKEEP_UID = 10001
+ADMIN_KEY_SECRET_KEY = "admin-key"
 
 
 class ConfigError(ValueError):
@@ -99,14 +101,37 @@ def config_map(owner: Owner, data: dict[str, str]) -> dict[str, Any]:
     }
 
 
-def _secret_env(spec: SessionServerSpec, model_server: ModelServerSpec) -> list[dict[str, Any]]:
+def admin_key_ref(name: str, spec: SessionServerSpec) -> SecretKeyRef:
+    """The admin key: the Secret the user named, else the one the operator generates."""
+    return spec.api_key_secret_ref or SecretKeyRef(
+        name=f"{name}-admin-key", key=ADMIN_KEY_SECRET_KEY
+    )
+
+
+def admin_key_secret(owner: Owner) -> dict[str, Any]:
+    """A new random admin key. Created once and never updated (the reconciler creates it
+    only where it is missing): rotating it is deleting it. Owned by the SessionServer, so
+    it goes with it. Session keys are never stored here: `POST /sessions` returns each one
+    to its caller, who holds the admin key."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": metadata(owner, f"{owner.name}-admin-key", labels(owner, APP, COMPONENT)),
+        "type": "Opaque",
+        "stringData": {ADMIN_KEY_SECRET_KEY: secrets.token_urlsafe(32)},
+    }
+
+
+def _secret_env(
+    owner: Owner, spec: SessionServerSpec, model_server: ModelServerSpec
+) -> list[dict[str, Any]]:
     env = []
     if spec.redis.mode == "External" and spec.redis.external:
         ref = spec.redis.external.url_secret_ref
         env.append(secret_env("TOKENKEEP_REDIS_URL", ref.name, ref.key))
-    if spec.api_key_secret_ref:
-        ref = spec.api_key_secret_ref
-        env.append(secret_env("TOKENKEEP_API_KEY", ref.name, ref.key))
+    # The server listens on 0.0.0.0, which it refuses to do without an admin key.
+    ref = admin_key_ref(owner.name, spec)
+    env.append(secret_env("TOKENKEEP_ADMIN_KEY", ref.name, ref.key))
     if model_server.model.auth_secret_ref:
         # The same token that lets vLLM download a gated model lets us load its tokenizer.
         ref = model_server.model.auth_secret_ref
@@ -134,7 +159,7 @@ def deployment(
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["tokenkeep", "serve"],
         "envFrom": [{"configMapRef": {"name": config_map_name(owner.name)}}],
-        "env": _secret_env(spec, model_server),
+        "env": _secret_env(owner, spec, model_server),
         "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
         # Loading a tokenizer from the Hub can take a while on a cold node.
         "startupProbe": http_probe("/healthz", period=5, failures=60),

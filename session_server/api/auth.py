@@ -1,0 +1,179 @@
+"""Who may call what: credentials by role, checked before a request reaches a front-end.
+
+- The admin key (`--admin-key` / `TOKENKEEP_ADMIN_KEY`) opens everything: session management,
+  listing, export, `POST /sessions`, and any session's model APIs.
+- A session key (`tks-<secret>.<session id>`, issued once by `POST /sessions` as `api_key`,
+  stored only as a SHA-256 digest) opens that one session's model APIs, plus the
+  session-less utilities (`/v1/models`, `/tokenize`, `/detokenize`). The session id inside
+  it only routes the request; the secret (256 random bits) is what is checked.
+- `tk-<session id>` is a credential only with `--session-id-keys`: anyone who knows a
+  session id can derive it, so it is for trusted setups (a harness image that can only be
+  given an API key and no prior `POST /sessions`).
+- `/healthz`, `/readyz` and `/metrics` need nothing.
+
+With no admin key the server is in protected mode (as Redis is): loopback clients need no
+credentials (a development default), everyone else is refused, and `tokenkeep serve`
+refuses to listen on a non-loopback address unless `--insecure` says that is intended.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import ipaddress
+import logging
+import re
+import secrets
+from typing import Any
+
+from starlette.requests import Request
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from session_server.api import errors
+from session_server.api.session_ids import (
+    SESSION_KEY_PREFIX,
+    InvalidSessionId,
+    check_session_id,
+    presented_key,
+    session_of_key,
+)
+from session_server.settings import Settings
+from session_server.turns import SessionMissing, TurnService
+
+OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
+ANY_CREDENTIAL_PATHS = frozenset({"/v1/models", "/tokenize", "/detokenize"})
+_SESSION_PATH = re.compile(r"^/sessions/([^/]*)/v1/")
+ID_KEY_PREFIX = "tk-"
+
+
+def issue_session_key(session_id: str) -> tuple[str, str]:
+    """A new session key and the digest the store keeps (the key itself is never stored)."""
+    key = f"{SESSION_KEY_PREFIX}{secrets.token_urlsafe(32)}.{session_id}"
+    return key, key_digest(key)
+
+
+def key_digest(key: str) -> str:
+    # A fast hash is enough: the secret has 256 random bits, nothing to brute-force.
+    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _same(a: str, b: str) -> bool:
+    encoded = [s.encode("utf-8", "surrogatepass") for s in (a, b)]
+    return hmac.compare_digest(encoded[0], encoded[1])
+
+
+def is_loopback(host: str | None) -> bool:
+    if not host:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def listen_problem(settings: Settings) -> str | None:
+    """Why `tokenkeep serve` must not start with these settings (protected mode), or None."""
+    if settings.admin_key or settings.insecure or is_loopback(settings.host):
+        return None
+    return (
+        f"refusing to listen on {settings.host} without credentials: set an admin key "
+        "(--admin-key / TOKENKEEP_ADMIN_KEY), or pass --insecure to let anyone who can reach "
+        "this address use every session"
+    )
+
+
+def log_mode(settings: Settings) -> None:
+    """The one start-up log line that says how requests are authenticated (a warning
+    wherever something is left open)."""
+    log = logging.getLogger("tokenkeep")
+    if settings.admin_key and not settings.session_id_keys:
+        log.info("auth: admin key and per-session keys required")
+    elif settings.admin_key:
+        log.warning("auth: admin key and per-session keys required; tk-<session id> keys accepted")
+    elif settings.insecure:
+        log.warning("auth: INSECURE: no credentials checked, for any client (--insecure)")
+    else:
+        log.warning(
+            "auth: protected mode: no admin key configured, so loopback clients are answered "
+            "without credentials and all other clients are refused"
+        )
+
+
+class Guard:
+    """Pure ASGI middleware: authenticates and authorises from the headers alone, so a
+    refused request is answered before its body is read."""
+
+    def __init__(self, app: ASGIApp, settings: Settings, service: TurnService) -> None:
+        self.app = app
+        self.settings = settings
+        self.service = service
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+            await self.app(scope, receive, send)
+            return
+        try:
+            refusal = await self._refusal(scope)
+        except Exception as exc:  # the store could not be asked about a session key
+            refusal = errors.classify(exc)[:2]
+        if refusal is None:
+            await self.app(scope, receive, send)
+            return
+        status, message = refusal
+        response = errors.error_response(Request(scope), status, message)
+        if status == 401:
+            response.headers["www-authenticate"] = "Bearer"
+        await response(scope, receive, send)
+
+    async def _refusal(self, scope: Scope) -> tuple[int, str] | None:
+        settings = self.settings
+        if not settings.admin_key:
+            client = scope.get("client")
+            if settings.insecure or is_loopback(client[0] if client else None):
+                return None
+            return 403, (
+                "protected mode: this server has no admin key, so it answers loopback "
+                "clients only (configure --admin-key, or --insecure)"
+            )
+        headers = _headers(scope)
+        key = presented_key(headers.get("x-api-key"), headers.get("authorization"))
+        if not key:
+            return 401, "missing API key (Authorization: Bearer <key> or x-api-key: <key>)"
+        if _same(key, settings.admin_key):
+            return None
+        holder = await self._key_session(key)
+        if holder is None:
+            return 401, "wrong or expired API key"
+        path = scope["path"]
+        if path in ANY_CREDENTIAL_PATHS:
+            return None
+        if path.startswith("/v1/"):
+            target = (headers.get("x-session-id") or "").strip() or holder
+        elif match := _SESSION_PATH.match(path):
+            target = match.group(1)
+        else:
+            return 403, "this endpoint needs the admin key; a session key opens its model APIs"
+        if target != holder:
+            return 403, "this API key opens only its own session"
+        return None
+
+    async def _key_session(self, key: str) -> str | None:
+        """The session a session credential opens, or None if it opens nothing."""
+        if key.startswith(ID_KEY_PREFIX) and self.settings.session_id_keys:
+            return key[len(ID_KEY_PREFIX) :]
+        session_id = session_of_key(key)
+        if session_id is None:
+            return None
+        try:
+            meta = await self.service.session(check_session_id(session_id), create=False)
+        except (SessionMissing, InvalidSessionId):
+            return None
+        if not meta.key_hash or not _same(meta.key_hash, key_digest(key)):
+            return None
+        return session_id
+
+
+def _headers(scope: Scope) -> dict[str, Any]:
+    return {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
