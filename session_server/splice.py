@@ -11,6 +11,7 @@ reason, never a guessed prompt; the caller starts a new segment and records the 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -51,6 +52,17 @@ class Bridge:
     refusal: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class ReplyEdges:
+    """How the renderer's reply parser treats channel edges, probed once per model (the
+    streamer must hold back exactly what the parser would strip or reinterpret)."""
+
+    strips_content: bool
+    strips_reasoning: bool
+    text_think: bool
+    """No `<think>` token, yet the parser reads a leading `<think>...</think>` from text."""
+
+
 @dataclass(slots=True)
 class ParsedReply:
     message: Message
@@ -77,6 +89,7 @@ class ChatModel:
 
             self.renderer = create_renderer(tokenizer, config_from_name(self.family))
         stop_ids = list(self.renderer.get_stop_token_ids())
+        self._renderer_stops = frozenset(stop_ids)
         for extra in _generation_config_eos(tokenizer):
             if extra not in stop_ids:
                 stop_ids.append(extra)
@@ -187,6 +200,34 @@ class ChatModel:
 
     # --- parsing ----------------------------------------------------------------------
 
+    @functools.cached_property
+    def reply_edges(self) -> ReplyEdges:
+        probe = "tokenkeep probe"
+        vocab = self.tokenizer.get_vocab()
+        atomic_think = "<think>" in vocab and "</think>" in vocab
+        if atomic_think:
+            think = [vocab["<think>"], *self.encode(f"\n{probe}\n"), vocab["</think>"]]
+        else:
+            think = self.encode(f"<think>\n{probe}\n</think>")
+        close = [self.close_token_id] if self.close_token_id is not None else []
+        content = self._parse_ids([*self.encode(f"\n\n{probe}"), *close], [], [])
+        reasoning = self._parse_ids([*think, *self.encode("x"), *close], [], []).reasoning_content
+        return ReplyEdges(
+            strips_content=content.content == probe,
+            strips_reasoning=reasoning == probe,
+            text_think=not atomic_think and bool(reasoning),
+        )
+
+    def _parse_ids(
+        self, completion_ids: list[int], prompt_ids: list[int], tools: list[Tool]
+    ) -> Any:
+        ids = list(completion_ids)
+        if ids and ids[-1] in self.stop_token_ids and ids[-1] not in self._renderer_stops:
+            ids.pop()  # an end-of-turn token the renderer does not know (generic Llama 3)
+        return self.renderer.parse_response(
+            ids, tools=to_renderer_tools(tools), prompt_ids=prompt_ids
+        )
+
     def parse(
         self,
         completion_ids: list[int],
@@ -195,9 +236,10 @@ class ChatModel:
         tools: list[Tool],
     ) -> ParsedReply:
         """The sampled tokens as an assistant message (parsed from token IDs, in-process)."""
-        parsed = self.renderer.parse_response(
-            list(completion_ids), tools=to_renderer_tools(tools), prompt_ids=prompt_ids
-        )
+        parsed = self._parse_ids(completion_ids, prompt_ids, tools)
+        reasoning = parsed.reasoning_content
+        if reasoning and parsed.reasoning_complete is False and self.reply_edges.strips_reasoning:
+            reasoning = reasoning.strip()  # as the parser shows a closed block
         calls = [
             ToolCall(
                 id=tc.id or "call_" + uuid.uuid4().hex[:24],
@@ -210,7 +252,7 @@ class ChatModel:
         message = Message(
             role="assistant",
             content=parsed.content or "",
-            reasoning=parsed.reasoning_content or None,
+            reasoning=reasoning or None,
             tool_calls=calls,
         )
         if finish_reason == "stop" and calls:
