@@ -36,6 +36,10 @@ class Settings(BaseSettings):
     """If set, every request must present it (Bearer or x-api-key); the session then
     comes from the path or X-Session-ID."""
     log_level: str = "info"
+    reasoning_item_key: str | None = None
+    """Signs the `encrypted_content` of Responses reasoning items; unset, a random key per
+    process (items from another replica or before a restart are then not recognised and the
+    lineage falls back to the messages, which is always correct, only less exact)."""
 
     @field_validator("engine_urls", mode="before")
     @classmethod
