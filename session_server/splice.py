@@ -28,7 +28,13 @@ from renderers import (
     create_renderer,
 )
 
-from session_server.conversation import Message, Tool, ToolCall, canonical_text
+from session_server.conversation import (
+    ConversationError,
+    Message,
+    Tool,
+    ToolCall,
+    canonical_text,
+)
 
 log = logging.getLogger(__name__)
 
@@ -259,6 +265,77 @@ class ChatModel:
             finish_reason = "tool_calls"
         return ParsedReply(message=message, finish_reason=finish_reason)
 
+    # --- constrained tool calls -------------------------------------------------------
+
+    @property
+    def tool_call_syntax(self) -> str | None:
+        """How this model writes a tool call: `hermes` (`<tool_call>{json}</tool_call>`, Qwen3
+        and the generic parser for templates with those tokens), `llama3-json` (a bare
+        `{"name", "parameters"}` object), or None where tokenkeep does not know it."""
+        if self.family == "qwen3" or (
+            self.family == GENERIC and _has_tokens(self.tokenizer, "<tool_call>", "</tool_call>")
+        ):
+            return "hermes"
+        if self.family == "llama-3":
+            return "llama3-json"
+        return None
+
+    def tool_choice_constraint(
+        self, tools: list[Tool], choice: str | dict[str, Any] | None
+    ) -> dict[str, Any] | None:
+        """The vLLM structured-output constraint that makes the sampled tokens a call in the
+        model's own tool-call syntax, for `tool_choice` "required" or a named function (None
+        for auto/none). A choice that cannot be enforced is refused, never ignored."""
+        if choice is None or choice in ("auto", "none"):
+            return None
+        if not (choice == "required" or isinstance(choice, dict)):
+            raise ConversationError(f"unknown tool_choice {choice!r}", param="tool_choice")
+        if not tools:
+            raise ConversationError("tool_choice requires tools", param="tool_choice")
+        named = isinstance(choice, dict)
+        chosen = [t for t in tools if t.name == choice["name"]] if named else tools
+        if not chosen:
+            raise ConversationError(
+                f"tool_choice names {choice['name']!r}, which is not among the tools",
+                param="tool_choice",
+            )
+        syntax = self.tool_call_syntax
+        if syntax == "hermes":
+            tags = [
+                {
+                    "type": "tag",
+                    "begin": f'<tool_call>\n{{"name": {json.dumps(t.name)}, "arguments": ',
+                    "content": {"type": "json_schema", "json_schema": _schema(t)},
+                    "end": "}\n</tool_call>",
+                }
+                for t in chosen
+            ]
+            tag_format = {
+                "type": "tags_with_separator",
+                "tags": tags,
+                "separator": "\n",
+                "at_least_one": True,
+                "stop_after_first": named,
+            }
+            return {"structural_tag": json.dumps({"type": "structural_tag", "format": tag_format})}
+        if syntax == "llama3-json":
+            calls = [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": t.name}, "parameters": _schema(t)},
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+                for t in chosen
+            ]
+            return {"json": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+        raise ConversationError(
+            f"tool_choice {json.dumps(choice)} cannot be enforced: the served model's tool-call "
+            f"syntax ({self.family} template) is not one tokenkeep can constrain; use "
+            '"auto" or a structured_outputs constraint',
+            param="tool_choice",
+        )
+
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
@@ -285,6 +362,10 @@ def sampled_arguments(raw: str, parsed: Any) -> str:
         if value == parsed:
             return raw[match.end() : end]
     return json.dumps(parsed, ensure_ascii=False)
+
+
+def _schema(tool: Tool) -> dict[str, Any]:
+    return tool.parameters or {"type": "object"}
 
 
 def _prove(prompt_ids: list[int], completion_ids: list[int], rendered: Any) -> list[int] | None:
