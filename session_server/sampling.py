@@ -59,4 +59,13 @@ def build_sampling(
     )
     if conversation.response_format:
         params["structured_outputs"] = conversation.response_format
+    forced = model.tool_choice_constraint(conversation.tools, conversation.tool_choice)
+    if forced is not None:
+        if conversation.response_format:
+            raise ConversationError(
+                "tool_choice required or a named tool cannot be combined with a "
+                "structured-output format",
+                param="tool_choice",
+            )
+        params["structured_outputs"] = forced
     return params

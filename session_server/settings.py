@@ -66,6 +66,10 @@ class Settings(BaseSettings):
     max_body_bytes: int = Field(default=8 << 20, ge=1024)
     """Largest request body accepted; larger ones get 413 before they are read."""
     log_level: str = "info"
+    reasoning_item_key: str | None = None
+    """Signs the `encrypted_content` of Responses reasoning items; unset, a random key per
+    process (items from another replica or before a restart are then not recognised and the
+    lineage falls back to the messages, which is always correct, only less exact)."""
 
     @field_validator("engine_urls", mode="before")
     @classmethod

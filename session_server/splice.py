@@ -11,6 +11,7 @@ reason, never a guessed prompt; the caller starts a new segment and records the 
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -27,7 +28,13 @@ from renderers import (
     create_renderer,
 )
 
-from session_server.conversation import Message, Tool, ToolCall, canonical_text
+from session_server.conversation import (
+    ConversationError,
+    Message,
+    Tool,
+    ToolCall,
+    canonical_text,
+)
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +56,17 @@ class Bridge:
 
     delta: list[int] | None
     refusal: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyEdges:
+    """How the renderer's reply parser treats channel edges, probed once per model (the
+    streamer must hold back exactly what the parser would strip or reinterpret)."""
+
+    strips_content: bool
+    strips_reasoning: bool
+    text_think: bool
+    """No `<think>` token, yet the parser reads a leading `<think>...</think>` from text."""
 
 
 @dataclass(slots=True)
@@ -77,6 +95,7 @@ class ChatModel:
 
             self.renderer = create_renderer(tokenizer, config_from_name(self.family))
         stop_ids = list(self.renderer.get_stop_token_ids())
+        self._renderer_stops = frozenset(stop_ids)
         for extra in _generation_config_eos(tokenizer):
             if extra not in stop_ids:
                 stop_ids.append(extra)
@@ -187,6 +206,34 @@ class ChatModel:
 
     # --- parsing ----------------------------------------------------------------------
 
+    @functools.cached_property
+    def reply_edges(self) -> ReplyEdges:
+        probe = "tokenkeep probe"
+        vocab = self.tokenizer.get_vocab()
+        atomic_think = "<think>" in vocab and "</think>" in vocab
+        if atomic_think:
+            think = [vocab["<think>"], *self.encode(f"\n{probe}\n"), vocab["</think>"]]
+        else:
+            think = self.encode(f"<think>\n{probe}\n</think>")
+        close = [self.close_token_id] if self.close_token_id is not None else []
+        content = self._parse_ids([*self.encode(f"\n\n{probe}"), *close], [], [])
+        reasoning = self._parse_ids([*think, *self.encode("x"), *close], [], []).reasoning_content
+        return ReplyEdges(
+            strips_content=content.content == probe,
+            strips_reasoning=reasoning == probe,
+            text_think=not atomic_think and bool(reasoning),
+        )
+
+    def _parse_ids(
+        self, completion_ids: list[int], prompt_ids: list[int], tools: list[Tool]
+    ) -> Any:
+        ids = list(completion_ids)
+        if ids and ids[-1] in self.stop_token_ids and ids[-1] not in self._renderer_stops:
+            ids.pop()  # an end-of-turn token the renderer does not know (generic Llama 3)
+        return self.renderer.parse_response(
+            ids, tools=to_renderer_tools(tools), prompt_ids=prompt_ids
+        )
+
     def parse(
         self,
         completion_ids: list[int],
@@ -195,9 +242,10 @@ class ChatModel:
         tools: list[Tool],
     ) -> ParsedReply:
         """The sampled tokens as an assistant message (parsed from token IDs, in-process)."""
-        parsed = self.renderer.parse_response(
-            list(completion_ids), tools=to_renderer_tools(tools), prompt_ids=prompt_ids
-        )
+        parsed = self._parse_ids(completion_ids, prompt_ids, tools)
+        reasoning = parsed.reasoning_content
+        if reasoning and parsed.reasoning_complete is False and self.reply_edges.strips_reasoning:
+            reasoning = reasoning.strip()  # as the parser shows a closed block
         calls = [
             ToolCall(
                 id=tc.id or "call_" + uuid.uuid4().hex[:24],
@@ -210,12 +258,83 @@ class ChatModel:
         message = Message(
             role="assistant",
             content=parsed.content or "",
-            reasoning=parsed.reasoning_content or None,
+            reasoning=reasoning or None,
             tool_calls=calls,
         )
         if finish_reason == "stop" and calls:
             finish_reason = "tool_calls"
         return ParsedReply(message=message, finish_reason=finish_reason)
+
+    # --- constrained tool calls -------------------------------------------------------
+
+    @property
+    def tool_call_syntax(self) -> str | None:
+        """How this model writes a tool call: `hermes` (`<tool_call>{json}</tool_call>`, Qwen3
+        and the generic parser for templates with those tokens), `llama3-json` (a bare
+        `{"name", "parameters"}` object), or None where tokenkeep does not know it."""
+        if self.family == "qwen3" or (
+            self.family == GENERIC and _has_tokens(self.tokenizer, "<tool_call>", "</tool_call>")
+        ):
+            return "hermes"
+        if self.family == "llama-3":
+            return "llama3-json"
+        return None
+
+    def tool_choice_constraint(
+        self, tools: list[Tool], choice: str | dict[str, Any] | None
+    ) -> dict[str, Any] | None:
+        """The vLLM structured-output constraint that makes the sampled tokens a call in the
+        model's own tool-call syntax, for `tool_choice` "required" or a named function (None
+        for auto/none). A choice that cannot be enforced is refused, never ignored."""
+        if choice is None or choice in ("auto", "none"):
+            return None
+        if not (choice == "required" or isinstance(choice, dict)):
+            raise ConversationError(f"unknown tool_choice {choice!r}", param="tool_choice")
+        if not tools:
+            raise ConversationError("tool_choice requires tools", param="tool_choice")
+        named = isinstance(choice, dict)
+        chosen = [t for t in tools if t.name == choice["name"]] if named else tools
+        if not chosen:
+            raise ConversationError(
+                f"tool_choice names {choice['name']!r}, which is not among the tools",
+                param="tool_choice",
+            )
+        syntax = self.tool_call_syntax
+        if syntax == "hermes":
+            tags = [
+                {
+                    "type": "tag",
+                    "begin": f'<tool_call>\n{{"name": {json.dumps(t.name)}, "arguments": ',
+                    "content": {"type": "json_schema", "json_schema": _schema(t)},
+                    "end": "}\n</tool_call>",
+                }
+                for t in chosen
+            ]
+            tag_format = {
+                "type": "tags_with_separator",
+                "tags": tags,
+                "separator": "\n",
+                "at_least_one": True,
+                "stop_after_first": named,
+            }
+            return {"structural_tag": json.dumps({"type": "structural_tag", "format": tag_format})}
+        if syntax == "llama3-json":
+            calls = [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": t.name}, "parameters": _schema(t)},
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+                for t in chosen
+            ]
+            return {"json": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+        raise ConversationError(
+            f"tool_choice {json.dumps(choice)} cannot be enforced: the served model's tool-call "
+            f"syntax ({self.family} template) is not one tokenkeep can constrain; use "
+            '"auto" or a structured_outputs constraint',
+            param="tool_choice",
+        )
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
@@ -243,6 +362,10 @@ def sampled_arguments(raw: str, parsed: Any) -> str:
         if value == parsed:
             return raw[match.end() : end]
     return json.dumps(parsed, ensure_ascii=False)
+
+
+def _schema(tool: Tool) -> dict[str, Any]:
+    return tool.parameters or {"type": "object"}
 
 
 def _prove(prompt_ids: list[int], completion_ids: list[int], rendered: Any) -> list[int] | None:

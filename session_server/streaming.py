@@ -1,10 +1,21 @@
 """Incremental text of a reply being sampled, split into reasoning and content.
 
-Channels switch on the model's *special tokens* (`<think>`, `</think>`, `<tool_call>`), never
-on decoded text: a literal `<tool_call>` the model spelled in sub-words is content, exactly as
-the final token-level parse says. Text after a tool-call token is held back: tool calls are
-delivered whole, parsed from token IDs, when the choice finishes. Bytes of a multibyte
-character split across tokens are held until the character is complete.
+The rule: what is streamed is always a prefix of what the final token-level parse of the same
+tokens says (`ChatModel.parse`), so a client that assembles the stream gets the non-streamed
+message, field by field. Text is therefore held back while it could still turn out to be
+something else:
+
+- channels switch on the model's *special tokens* (`<think>`, `</think>`, `<tool_call>`); a
+  literal `<tool_call>` spelled in sub-words is content, as the parse says. Where the tokenizer
+  has no `<think>` token, the parser reads a leading `<think>...</think>` from text, and so
+  does the streamer;
+- text after a tool-call token is never streamed: tool calls arrive whole, parsed from the
+  token IDs, when the choice finishes;
+- families whose tool calls are bare JSON (Llama 3: `{"name": ..., "parameters": ...}`) hold
+  a reply that starts with `{` until the end, where the parse decides call or text;
+- whitespace at the edges of a channel is held until text follows it (parsers strip it; how
+  each one does is probed once per model);
+- bytes of a multibyte character split across tokens are held until the character is whole.
 """
 
 from __future__ import annotations
@@ -17,6 +28,8 @@ if TYPE_CHECKING:
     from session_server.splice import ChatModel
 
 _REPLACEMENT = "\ufffd"
+_OPEN = "<think>"
+_CLOSE = "</think>"
 
 
 @dataclass(slots=True)
@@ -26,66 +39,120 @@ class TextDelta:
 
 
 class ReplyStreamer:
-    def __init__(self, model: ChatModel) -> None:
+    def __init__(self, model: ChatModel, prompt_ids: list[int] | None = None) -> None:
         vocab = model.tokenizer.get_vocab()
-        self._think_start = vocab.get("<think>")
-        self._think_end = vocab.get("</think>")
+        self._edges = model.reply_edges
+        self._think_start = vocab.get(_OPEN)
+        self._think_end = vocab.get(_CLOSE)
+        self._text_think = self._edges.text_think
         self._tool_start = vocab.get("<tool_call>")
+        self._bare_json_calls = model.family == "llama-3"
         self._stops = set(model.stop_token_ids)
         self._decode = model.tokenizer.decode
         self._channel = "content"
+        if prompt_ids and model.parse([], "length", prompt_ids, []).message.reasoning is not None:
+            self._channel = "reasoning"  # the prompt opened a reasoning block
         self._pending: list[int] = []  # tokens of the current channel not yet decoded fully
-        self._content = ""
-        self._reasoning = ""
-        self._content_started = False
+        self._text = {"content": "", "reasoning": ""}
+        self._sent = {"content": "", "reasoning": ""}
+        self._any_text = False  # a text-level <think> only opens a reply
 
     def feed(self, token_ids: list[int]) -> TextDelta:
-        delta = TextDelta()
         for token in token_ids:
             if token in self._stops:
                 continue
-            if token == self._think_start and self._channel == "content":
-                self._emit(delta, final=True)
+            if token == self._think_start and self._channel == "content" and not self._text_think:
+                self._flush()
                 self._channel = "reasoning"
-            elif token == self._think_end and self._channel == "reasoning":
-                self._emit(delta, final=True)
+            elif token == self._think_end and self._channel == "reasoning" and not self._text_think:
+                self._flush()
                 self._channel = "content"
             elif token == self._tool_start and self._channel != "tool":
-                self._emit(delta, final=True)
+                self._flush()
                 self._channel = "tool"
             elif self._channel != "tool":
                 self._pending.append(token)
-        self._emit(delta, final=False)
-        return delta
+        self._decode_pending(final=False)
+        return self._release()
 
-    def _emit(self, delta: TextDelta, *, final: bool) -> None:
+    def _flush(self) -> None:
+        self._decode_pending(final=True)
+
+    def _decode_pending(self, *, final: bool) -> None:
         if not self._pending:
             return
         text = self._decode(self._pending, skip_special_tokens=False)
         if text.endswith(_REPLACEMENT) and not final:
             return  # the rest of the character is in a later token
         self._pending = []
+        self._text[self._channel] += text
+        if self._text_think:
+            self._split_text_think()
+
+    def _split_text_think(self) -> None:
+        """Parsers without a `<think>` token read a reasoning block that opens the reply."""
+        if self._channel == "content" and not self._any_text:
+            head = self._text["content"].lstrip()
+            if head.startswith(_OPEN):
+                self._channel = "reasoning"
+                self._text["content"] = ""
+                self._text["reasoning"] += head[len(_OPEN) :]
+            elif head and not _OPEN.startswith(head):
+                self._any_text = True
         if self._channel == "reasoning":
-            delta.reasoning += text
-            self._reasoning += text
-        elif self._channel == "content":
-            if not self._content_started:
-                # Templates and parsers drop whitespace between reasoning and the answer.
-                text = text.lstrip()
-                self._content_started = bool(text)
-            delta.content += text
-            self._content += text
+            self._any_text = True
+            reasoning, closed, after = self._text["reasoning"].partition(_CLOSE)
+            if closed:
+                self._text["reasoning"] = reasoning
+                self._text["content"] += after
+                self._channel = "content"
+
+    def _release(self) -> TextDelta:
+        return TextDelta(
+            content=self._advance("content", self._releasable_content()),
+            reasoning=self._advance("reasoning", self._releasable_reasoning()),
+        )
+
+    def _advance(self, channel: str, releasable: str) -> str:
+        sent = self._sent[channel]
+        if len(releasable) <= len(sent) or not releasable.startswith(sent):
+            return ""
+        self._sent[channel] = releasable
+        return releasable[len(sent) :]
+
+    def _releasable_content(self) -> str:
+        text = self._text["content"]
+        if self._text_think and not self._any_text:
+            return ""  # could still open a text-level reasoning block
+        if self._edges.strips_content:
+            text = text.lstrip()
+        if self._bare_json_calls and text.lstrip().startswith("{"):
+            return ""  # may be a whole tool call; the final parse decides
+        return text.rstrip()
+
+    def _releasable_reasoning(self) -> str:
+        text = self._text["reasoning"]
+        if self._edges.strips_reasoning:
+            text = text.lstrip()
+        if self._channel != "reasoning" and text:
+            # Closed: nothing more can follow, and the held edge must go out now, before
+            # any content (front-ends open a new reasoning block for late reasoning text).
+            return text.rstrip() if self._edges.strips_reasoning else text
+        if self._text_think and self._channel == "reasoning":
+            for size in range(len(_CLOSE) - 1, 0, -1):
+                if text.endswith(_CLOSE[:size]):
+                    text = text[:-size]  # maybe the start of the closing marker
+                    break
+        return text.rstrip()
 
     def finish(self, message: Message) -> TextDelta:
         """What the final parse holds beyond what was streamed (so that the streamed text
         adds up to the parsed reply)."""
-        pending = TextDelta()
-        self._emit(pending, final=True)
+        self._flush()
         tail = TextDelta()
-        final_content = message.content or ""
-        if final_content.startswith(self._content):
-            tail.content = final_content[len(self._content) :]
-        final_reasoning = message.reasoning or ""
-        if final_reasoning.startswith(self._reasoning):
-            tail.reasoning = final_reasoning[len(self._reasoning) :]
+        for channel, final in (("content", message.content), ("reasoning", message.reasoning)):
+            final = final or ""
+            sent = self._sent[channel]
+            if final.startswith(sent):
+                setattr(tail, channel, final[len(sent) :])
         return tail

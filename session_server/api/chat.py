@@ -167,7 +167,7 @@ def to_conversation(body: ChatCompletionRequest) -> Conversation:
             )
             for t in body.tools or []
         ],
-        tool_choice=body.tool_choice,
+        tool_choice=_tool_choice(body.tool_choice),
         sampling=sampling,
         n=body.n,
         logprobs=body.logprobs,
@@ -180,6 +180,16 @@ def to_conversation(body: ChatCompletionRequest) -> Conversation:
         reasoning_ended=body.reasoning_ended,
         return_token_ids=body.return_token_ids,
     )
+
+
+def _tool_choice(choice: str | dict[str, Any] | None) -> str | dict[str, Any] | None:
+    """`{"type": "function", "function": {"name": ...}}` -> the core's `{"name": ...}`."""
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") or choice.get("name")
+        if not isinstance(name, str) or not name:
+            raise ConversationError("tool_choice needs a function name", param="tool_choice")
+        return {"name": name}
+    return choice
 
 
 def _structured(response_format: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -22,7 +22,8 @@ Mapping:
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import secrets
+from collections.abc import AsyncIterator, Callable
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
@@ -38,9 +39,15 @@ from pydantic import (
 
 from session_server.api.errors import classify
 from session_server.api.routing import LeanRoute
+from session_server.api.response_tools import (
+    ToolMap,
+    call_from_item,
+    open_reasoning,
+    seal_reasoning,
+)
 from session_server.api.session_ids import check_session_id, session_id_from_headers
 from session_server.api.sse import event_line, serve_turn
-from session_server.conversation import Conversation, ConversationError, Message, Tool, ToolCall
+from session_server.conversation import Conversation, ConversationError, Message, ToolCall
 from session_server.results import (
     ChoiceDelta,
     ChoiceFinished,
@@ -95,6 +102,7 @@ class ReasoningItem(_AssistantTokens):
     type: Literal["reasoning"]
     summary: list[ReasoningText] = []
     content: list[ReasoningText] | None = None
+    encrypted_content: str | None = None
 
 
 class FunctionCallItem(_AssistantTokens):
@@ -102,26 +110,60 @@ class FunctionCallItem(_AssistantTokens):
     call_id: str
     name: str
     arguments: str
+    namespace: str | None = None
+
+
+class CustomToolCallItem(_AssistantTokens):
+    type: Literal["custom_tool_call"]
+    call_id: str
+    name: str
+    input: str
+    namespace: str | None = None
+
+
+class LocalShellCallItem(_AssistantTokens):
+    type: Literal["local_shell_call"]
+    call_id: str | None = None
+    id: str | None = None
+    action: dict[str, Any] = {}
 
 
 class FunctionCallOutputItem(_Wire):
-    type: Literal["function_call_output"]
+    type: Literal["function_call_output", "custom_tool_call_output", "local_shell_call_output"]
     call_id: str
     output: Annotated[list[TextPart], BeforeValidator(_text_as_parts)]
 
 
+class HostedCallItem(_Wire):
+    """A call a hosted tool made on OpenAI's servers (web search...): nothing was sampled
+    here for it, so it is no part of the token history."""
+
+    type: str
+
+
+_HOSTED_CALLS = {
+    "web_search_call", "file_search_call", "code_interpreter_call", "image_generation_call",
+    "computer_call", "computer_call_output", "mcp_call", "mcp_list_tools", "tool_search_call",
+    "tool_search_output",
+}  # fmt: skip
+
+
 def _item_type(value: Any) -> str | None:
     # Easy input messages (`{"role": ..., "content": ...}`) carry no type.
-    if isinstance(value, dict):
-        return value.get("type", "message")
-    return getattr(value, "type", None)
+    kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", None)
+    return "hosted" if kind in _HOSTED_CALLS else kind
 
 
 Item = Annotated[
     Annotated[MessageItem, Tag("message")]
     | Annotated[ReasoningItem, Tag("reasoning")]
     | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    | Annotated[CustomToolCallItem, Tag("custom_tool_call")]
+    | Annotated[LocalShellCallItem, Tag("local_shell_call")]
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[FunctionCallOutputItem, Tag("custom_tool_call_output")]
+    | Annotated[FunctionCallOutputItem, Tag("local_shell_call_output")]
+    | Annotated[HostedCallItem, Tag("hosted")],
     Discriminator(_item_type),
 ]
 
@@ -131,6 +173,8 @@ def _text_as_input(value: Any) -> Any:
 
 
 class FunctionTool(_Wire):
+    """Any Responses tool; `response_tools.ToolMap` decides what the model is offered."""
+
     type: str
     name: str = ""
     description: str | None = None
@@ -138,8 +182,9 @@ class FunctionTool(_Wire):
 
 
 class FunctionChoice(_Wire):
-    type: Literal["function"]
+    type: Literal["function", "custom"]
     name: str
+    namespace: str | None = None
 
 
 class TextFormat(_Wire):
@@ -167,6 +212,7 @@ class ResponsesRequest(_Wire):
     previous_response_id: str | None = None
     metadata: dict[str, Any] | None = None
     background: bool = False
+    include: list[str] = []
     required_prefix_token_ids: TokenIds | None = None
     return_token_ids: bool | None = None
     """vLLM's name: the reply carries `prompt_token_ids` and `token_ids` (default: the
@@ -176,7 +222,10 @@ class ResponsesRequest(_Wire):
 # --- request -> conversation -------------------------------------------------------------
 
 
-def conversation_from_request(request: ResponsesRequest) -> Conversation:
+def conversation_from_request(
+    request: ResponsesRequest, *, reasoning: ReasoningOpener | None = None
+) -> Conversation:
+    """`reasoning` reads the sealed `encrypted_content` of resent reasoning items."""
     if request.background:
         raise ConversationError("background responses are not supported", param="background")
     messages: list[Message] = []
@@ -184,11 +233,12 @@ def conversation_from_request(request: ResponsesRequest) -> Conversation:
     # with (clients resend them on every call); only the new items are appended to it.
     if request.instructions and not request.previous_response_id:
         messages.append(Message(role="system", content=request.instructions))
-    messages += messages_from_items(request.input)
+    messages += messages_from_items(request.input, reasoning)
+    tools = tool_map(request)
     return Conversation(
         messages=messages,
-        tools=[_tool(tool, i) for i, tool in enumerate(request.tools)],
-        tool_choice=_tool_choice(request.tool_choice),
+        tools=tools.tools,
+        tool_choice=_tool_choice(request.tool_choice, tools),
         sampling=_sampling(request),
         response_format=_response_format(request.text),
         stream=request.stream,
@@ -206,17 +256,25 @@ def conversation_from_request(request: ResponsesRequest) -> Conversation:
 
 # An assistant turn comes back as reasoning, then a message, then function calls (the order
 # tokenkeep emits them in); an item that cannot follow the previous one starts a new turn.
-_RANK = {ReasoningItem: 0, MessageItem: 1, FunctionCallItem: 2}
+_RANK = {
+    ReasoningItem: 0, MessageItem: 1, FunctionCallItem: 2, CustomToolCallItem: 2,
+    LocalShellCallItem: 2,
+}  # fmt: skip
+ReasoningOpener = Callable[[str | None], str | None]
 
 
-def messages_from_items(items: list[Any]) -> list[Message]:
+def messages_from_items(
+    items: list[Any], reasoning: ReasoningOpener | None = None
+) -> list[Message]:
     messages: list[Message] = []
     turn: Message | None = None
     rank = -1
     for item in items:
-        assistant = isinstance(item, ReasoningItem | FunctionCallItem) or (
-            isinstance(item, MessageItem) and item.role == "assistant"
-        )
+        if isinstance(item, HostedCallItem):
+            continue
+        assistant = isinstance(
+            item, ReasoningItem | FunctionCallItem | CustomToolCallItem | LocalShellCallItem
+        ) or (isinstance(item, MessageItem) and item.role == "assistant")
         if not assistant:
             turn = None
             messages.append(_non_assistant_message(item))
@@ -226,7 +284,7 @@ def messages_from_items(items: list[Any]) -> list[Message]:
             turn = Message(role="assistant")
             messages.append(turn)
         rank = item_rank
-        _add_to_turn(turn, item)
+        _add_to_turn(turn, item, reasoning)
     return messages
 
 
@@ -240,34 +298,29 @@ def _non_assistant_message(item: MessageItem | FunctionCallOutputItem) -> Messag
     return Message(role="system" if item.role == "developer" else item.role, content=text)
 
 
-def _add_to_turn(turn: Message, item: ReasoningItem | MessageItem | FunctionCallItem) -> None:
+def _add_to_turn(turn: Message, item: Any, reasoning: ReasoningOpener | None) -> None:
     if isinstance(item, ReasoningItem):
+        # Codex sends reasoning back without its text, only the sealed value it was given.
+        sealed = reasoning(item.encrypted_content) if reasoning else None
         parts = item.content if item.content else item.summary
-        turn.reasoning = "\n".join(part.text for part in parts)
+        turn.reasoning = sealed if sealed is not None else "\n".join(p.text for p in parts)
     elif isinstance(item, MessageItem):
         turn.content = "\n".join(part.text for part in item.content)
     else:
-        turn.tool_calls.append(ToolCall(id=item.call_id, name=item.name, arguments=item.arguments))
+        turn.tool_calls.append(call_from_item(item))
     turn.prompt_token_ids = turn.prompt_token_ids or item.prompt_token_ids
     turn.generation_token_ids = turn.generation_token_ids or item.generation_token_ids
 
 
-def _tool(wire: FunctionTool, i: int) -> Tool:
-    if wire.type != "function":
-        raise ConversationError(
-            f"tool type {wire.type!r} is not supported: tokenkeep serves function tools only",
-            param=f"tools.{i}.type",
-        )
-    if not wire.name:
-        raise ConversationError("function tools need a name", param=f"tools.{i}.name")
-    return Tool(
-        name=wire.name, description=wire.description or "", parameters=wire.parameters or {}
-    )
+def tool_map(request: ResponsesRequest) -> ToolMap:
+    return ToolMap([tool.model_dump(exclude_none=True) for tool in request.tools])
 
 
-def _tool_choice(choice: str | FunctionChoice | None) -> str | dict[str, Any] | None:
+def _tool_choice(
+    choice: str | FunctionChoice | None, tools: ToolMap
+) -> str | dict[str, Any] | None:
     if isinstance(choice, FunctionChoice):
-        return {"name": choice.name}
+        return {"name": tools.choice(choice.type, choice.name, choice.namespace)}
     return choice
 
 
@@ -299,14 +352,19 @@ def response_id(result_id: str) -> str:
     return RESPONSE_ID_PREFIX + result_id
 
 
-def reasoning_item(result_id: str, reasoning: str) -> dict[str, Any]:
-    return {
+def reasoning_item(
+    result_id: str, reasoning: str, seal: ReasoningSealer | None = None
+) -> dict[str, Any]:
+    item: dict[str, Any] = {
         "type": "reasoning",
         "id": "rs_" + result_id,
         "summary": [],
         "content": [{"type": "reasoning_text", "text": reasoning}],
         "status": "completed",
     }
+    if seal is not None:
+        item["encrypted_content"] = seal(result_id, reasoning)
+    return item
 
 
 def message_item(result_id: str, text: str, status: str = "completed") -> dict[str, Any]:
@@ -320,24 +378,19 @@ def message_item(result_id: str, text: str, status: str = "completed") -> dict[s
     }
 
 
-def function_call_item(call: ToolCall, status: str = "completed") -> dict[str, Any]:
-    return {
-        "type": "function_call",
-        "id": "fc_" + call.id,
-        "call_id": call.id,
-        "name": call.name,
-        "arguments": call.arguments if status == "completed" else "",
-        "status": status,
-    }
+ReasoningSealer = Callable[[str, str], str]
+"""(response id, reasoning text) -> the reasoning item's `encrypted_content`."""
 
 
-def output_items(result_id: str, message: Message) -> list[dict[str, Any]]:
+def output_items(
+    result_id: str, message: Message, tools: ToolMap, seal: ReasoningSealer | None = None
+) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
     if message.reasoning:
-        items.append(reasoning_item(result_id, message.reasoning))
+        items.append(reasoning_item(result_id, message.reasoning, seal))
     if message.content or not message.tool_calls:
         items.append(message_item(result_id, message.content))
-    items += [function_call_item(call) for call in message.tool_calls]
+    items += [tools.output_item(call) for call in message.tool_calls]
     return items
 
 
@@ -402,7 +455,9 @@ def final_status(finish_reason: str) -> str:
     return "incomplete" if finish_reason == "length" else "completed"
 
 
-def response_from_result(request: ResponsesRequest, result: TurnResult) -> dict[str, Any]:
+def response_from_result(
+    request: ResponsesRequest, result: TurnResult, seal: ReasoningSealer | None = None
+) -> dict[str, Any]:
     choice = result.choices[0]
     return response_object(
         request,
@@ -410,7 +465,7 @@ def response_from_result(request: ResponsesRequest, result: TurnResult) -> dict[
         created=result.created,
         model=result.model,
         status=final_status(choice.finish_reason),
-        output=output_items(result.response_id, choice.message),
+        output=output_items(result.response_id, choice.message, tool_map(request), seal),
         result=result,
     )
 
@@ -423,8 +478,10 @@ class ResponseStream:
     Every event carries the next `sequence_number`, the `error` event for a failure after
     the start included."""
 
-    def __init__(self, request: ResponsesRequest) -> None:
+    def __init__(self, request: ResponsesRequest, seal: ReasoningSealer | None = None) -> None:
         self.request = request
+        self.tools = tool_map(request)
+        self.seal = seal
         self.sequence = 0
         self.output: list[dict[str, Any]] = []
         self.open_kind: str | None = None
@@ -469,7 +526,7 @@ class ResponseStream:
             for call in event.message.tool_calls:
                 frames += self._function_call(call)
         elif isinstance(event, StreamFinished):
-            final = response_from_result(self.request, event.result)
+            final = response_from_result(self.request, event.result, self.seal)
             kind = (
                 "response.completed" if final["status"] == "completed" else ("response.incomplete")
             )
@@ -507,7 +564,8 @@ class ResponseStream:
         if self.open_kind is None:
             return []
         if self.open_kind == "reasoning":
-            item, text_event = reasoning_item(self.result_id, self.open_text), "reasoning_text"
+            item = reasoning_item(self.result_id, self.open_text, self.seal)
+            text_event = "reasoning_text"
             extra: dict[str, Any] = {}
         else:
             item, text_event = message_item(self.result_id, self.open_text), "output_text"
@@ -542,26 +600,34 @@ class ResponseStream:
         return frames
 
     def _function_call(self, call: ToolCall) -> list[bytes]:
-        self.output.append(function_call_item(call, status="in_progress"))
+        self.output.append(self.tools.output_item(call, status="in_progress"))
         index = len(self.output) - 1
-        item_id = self.output[index]["id"]
-        frames = [
-            self._frame("response.output_item.added", item=self.output[index], output_index=index),
-            self._frame(
-                "response.function_call_arguments.delta",
-                item_id=item_id,
-                output_index=index,
-                delta=call.arguments,
-            ),
-            self._frame(
-                "response.function_call_arguments.done",
-                item_id=item_id,
-                output_index=index,
-                name=call.name,
-                arguments=call.arguments,
-            ),
-        ]
-        self.output[index] = function_call_item(call)
+        added = self.output[index]
+        item_id = added["id"]
+        position = {"item_id": item_id, "output_index": index}
+        frames = [self._frame("response.output_item.added", item=added, output_index=index)]
+        self.output[index] = done = self.tools.output_item(call)
+        if added["type"] == "function_call":
+            frames += [
+                self._frame(
+                    "response.function_call_arguments.delta", delta=call.arguments, **position
+                ),
+                self._frame(
+                    "response.function_call_arguments.done",
+                    name=added["name"],
+                    arguments=call.arguments,
+                    **position,
+                ),
+            ]
+        elif added["type"] == "custom_tool_call":
+            frames += [
+                self._frame(
+                    "response.custom_tool_call_input.delta", delta=done["input"], **position
+                ),
+                self._frame(
+                    "response.custom_tool_call_input.done", input=done["input"], **position
+                ),
+            ]
         frames.append(
             self._frame("response.output_item.done", item=self.output[index], output_index=index)
         )
@@ -571,10 +637,26 @@ class ResponseStream:
 # --- routes ------------------------------------------------------------------------------
 
 
+def _reasoning_key(app: Any) -> bytes:
+    key: bytes | None = getattr(app.state, "reasoning_item_key", None)
+    if key is None:
+        settings = getattr(app.state, "settings", None)
+        configured = settings.reasoning_item_key if settings else None
+        key = configured.encode() if configured else secrets.token_bytes(32)
+        app.state.reasoning_item_key = key
+    return key
+
+
 async def _serve(session_id: str, wire: ResponsesRequest, request: Request) -> Any:
-    conversation = conversation_from_request(wire)
+    key = _reasoning_key(request.app)
+    conversation = conversation_from_request(
+        wire, reasoning=lambda value: open_reasoning(key, session_id, value)
+    )
+    seal: ReasoningSealer | None = None
+    if "reasoning.encrypted_content" in wire.include:
+        seal = lambda result_id, text: seal_reasoning(key, session_id, result_id, text)  # noqa: E731
     service = request.app.state.turns
-    stream = ResponseStream(wire)
+    stream = ResponseStream(wire, seal)
     return await serve_turn(
         request,
         session_id,
@@ -582,7 +664,7 @@ async def _serve(session_id: str, wire: ResponsesRequest, request: Request) -> A
         streaming=conversation.stream,
         complete=lambda: service.complete(session_id, conversation),
         stream=lambda: service.stream(session_id, conversation),
-        reply=lambda result: response_from_result(wire, result),
+        reply=lambda result: response_from_result(wire, result, seal),
         frames=stream.frames,
         on_error=stream.error,
     )

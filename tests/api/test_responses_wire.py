@@ -377,8 +377,8 @@ def async_client() -> openai.AsyncOpenAI:
             "input.0.message.content.0.type",
         ),
         (
-            {"model": "m", "input": "hi", "tools": [{"type": "web_search"}]},
-            "tool type 'web_search' is not supported",
+            {"model": "m", "input": "hi", "tools": [{"type": "namespace", "tools": []}]},
+            "namespace tools need a name",
         ),
         ({"model": "m", "input": "hi", "max_output_tokens": 0}, "max_output_tokens: Input should"),
         ({"model": "m", "input": "hi", "background": True}, "background responses"),

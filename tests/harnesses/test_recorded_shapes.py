@@ -71,3 +71,22 @@ async def test_replay_is_contiguous(
         [branch] = trajectory["branches"]
         [segment] = branch["segments"]
         assert len(segment["turns"]) == len(answers)
+
+
+def test_codex_shape() -> None:
+    """What Codex sends that a Responses server must take: a `namespace` tool (its functions
+    offered as `<namespace>__<name>`), a hosted `web_search` (not offered), developer
+    messages, and on later turns the reasoning and function_call items it was given."""
+    [fixture] = [f for name, f in FIXTURES if name.startswith("codex")]
+    posts = harness_posts(fixture)
+    first = responses.ResponsesRequest.model_validate(posts[0]["body"])
+    assert first.store is False and "reasoning.encrypted_content" in first.include
+    offered = [t.name for t in responses.conversation_from_request(first).tools]
+    assert "exec_command" in offered and "multi_agent_v1__spawn_agent" in offered
+    assert not any("web_search" in name for name in offered)
+    last = responses.conversation_from_request(
+        responses.ResponsesRequest.model_validate(posts[-1]["body"])
+    )
+    roles = [m.role for m in last.messages]
+    assert roles[:2] == ["system", "system"] and roles[-2:] == ["assistant", "tool"]
+    assert last.messages[-2].tool_calls[0].name == "exec_command"

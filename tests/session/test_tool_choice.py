@@ -1,0 +1,134 @@
+"""`tool_choice` "required" and a named tool are enforced in token space: the engine request
+carries a structured-output constraint in the family's own tool-call syntax (a structural
+tag for Qwen3/Hermes `<tool_call>` blocks, a JSON schema for Llama 3's bare JSON calls), on
+Chat Completions, Responses and Messages; where the syntax is unknown the request is a 400
+with the reason and nothing is stored. The real engine applying it is in
+`tests/integration/test_tool_choice_vllm.py`."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import anthropic
+import openai
+import pytest
+
+from tests.engine_double import EngineDouble, ScriptedCompletion
+from tests.session.adversarial import TOOLS
+from tests.session.reply_corpus import CORPUS
+from tests.session.test_stream_equivalence import (
+    ANTHROPIC_TOOLS,
+    BASE,
+    RESPONSES_TOOLS,
+    family,
+    serving,
+)
+
+REPLY = {r.name: r for r in CORPUS}
+
+
+@pytest.fixture(scope="module")
+def double() -> Iterator[EngineDouble]:
+    engine = EngineDouble().start()
+    yield engine
+    engine.stop()
+
+
+# Each API's spelling of "required" and "this tool".
+CHOICES = {
+    "chat": ("required", {"type": "function", "function": {"name": "calc"}}),
+    "responses": ("required", {"type": "function", "name": "calc"}),
+    "messages": ({"type": "any"}, {"type": "tool", "name": "calc"}),
+}
+
+
+async def ask(http: Any, api: str, sid: str, choice: Any) -> Any:
+    question = [{"role": "user", "content": "Weather in Paris?"}]
+    if api == "messages":
+        client = anthropic.AsyncAnthropic(api_key="x", base_url=f"{BASE}/sessions/{sid}",
+                                          http_client=http, max_retries=0)  # fmt: skip
+        return await client.messages.create(model="m", max_tokens=256, messages=question,
+                                            tools=ANTHROPIC_TOOLS, tool_choice=choice)  # fmt: skip
+    client = openai.AsyncOpenAI(api_key="x", base_url=f"{BASE}/sessions/{sid}/v1",
+                                http_client=http, max_retries=0)  # fmt: skip
+    if api == "chat":
+        return await client.chat.completions.create(model="m", messages=question, tools=TOOLS,
+                                                    tool_choice=choice)  # fmt: skip
+    return await client.responses.create(model="m", input=question, tools=RESPONSES_TOOLS,
+                                         tool_choice=choice)  # fmt: skip
+
+
+def called(api: str, answer: Any) -> list[str]:
+    if api == "chat":
+        return [c.function.name for c in answer.choices[0].message.tool_calls or []]
+    if api == "responses":
+        return [i.name for i in answer.output if i.type == "function_call"]
+    return [b.name for b in answer.content if b.type == "tool_use"]
+
+
+@pytest.mark.parametrize("api", list(CHOICES))
+@pytest.mark.parametrize(
+    ("name", "reply"), [("qwen3", "tool_json_compact"), ("llama3.2", "llama_tool_call")]
+)
+async def test_required_and_named_reach_the_engine_as_constraints(
+    double: EngineDouble, api: str, name: str, reply: str
+) -> None:
+    model = family(name)
+    required, named = CHOICES[api]
+    async with serving(model, double) as http:
+        for choice, tools in ((required, ["get_weather", "calc"]), (named, ["calc"])):
+            double.script(ScriptedCompletion(REPLY[reply].completion(model)))
+            answer = await ask(http, api, f"tc-{uuid.uuid4().hex[:8]}", choice)
+            assert called(api, answer) == ["get_weather"]  # what the double sampled, parsed
+            constraint = double.requests[-1].sampling["structured_outputs"]
+            if name == "qwen3":
+                tag = json.loads(constraint["structural_tag"])["format"]
+                assert tag["type"] == "tags_with_separator" and tag["at_least_one"]
+                assert tag["stop_after_first"] == (tools == ["calc"])
+                assert [t["begin"] for t in tag["tags"]] == [
+                    f'<tool_call>\n{{"name": "{tool}", "arguments": ' for tool in tools
+                ]
+                assert all(t["end"] == "}\n</tool_call>" for t in tag["tags"])
+            else:
+                schema = constraint["json"]
+                options = schema.get("anyOf", [schema])
+                assert [o["properties"]["name"]["const"] for o in options] == tools
+                assert all(set(o["required"]) == {"name", "parameters"} for o in options)
+
+
+@pytest.mark.parametrize("api", list(CHOICES))
+async def test_auto_carries_no_constraint(double: EngineDouble, api: str) -> None:
+    model = family("qwen3")
+    auto = {"type": "auto"} if api == "messages" else "auto"
+    async with serving(model, double) as http:
+        double.script(ScriptedCompletion(REPLY["bpe_split"].completion(model)))
+        await ask(http, api, f"auto-{uuid.uuid4().hex[:8]}", auto)
+        assert "structured_outputs" not in double.requests[-1].sampling
+
+
+@pytest.mark.parametrize("api", list(CHOICES))
+async def test_unenforceable_choice_is_a_400_and_stores_nothing(
+    double: EngineDouble, api: str
+) -> None:
+    """The generic splice on Llama 3.2 has no tool-call parser: its syntax is unknown."""
+    model = family("llama3.2-generic")
+    required, _ = CHOICES[api]
+    error = anthropic.BadRequestError if api == "messages" else openai.BadRequestError
+    async with serving(model, double) as http:
+        sid = f"bad-{uuid.uuid4().hex[:8]}"
+        before = len(double.requests)
+        with pytest.raises(error) as info:
+            await ask(http, api, sid, required)
+        assert "cannot be enforced" in str(info.value)
+        assert len(double.requests) == before
+        trajectory = await http.get(f"{BASE}/sessions/{sid}/trajectory")
+        assert trajectory.status_code == 404 or not trajectory.json()["branches"]
+
+
+async def test_named_tool_must_exist(double: EngineDouble) -> None:
+    async with serving(family("qwen3"), double) as http:
+        with pytest.raises(openai.BadRequestError, match="not among the tools"):
+            await ask(http, "chat", "missing", {"type": "function", "function": {"name": "nope"}})
