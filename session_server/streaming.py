@@ -4,7 +4,9 @@ Channels switch on the model's *special tokens* (`<think>`, `</think>`, `<tool_c
 on decoded text: a literal `<tool_call>` the model spelled in sub-words is content, exactly as
 the final token-level parse says. Text after a tool-call token is held back: tool calls are
 delivered whole, parsed from token IDs, when the choice finishes. Bytes of a multibyte
-character split across tokens are held until the character is complete.
+character split across tokens are held until the character is complete. Families whose tool
+calls have no start token (Llama 3 writes a bare JSON object) hold back content that opens
+with `{` until the final parse says whether it was a call or text.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class ReplyStreamer:
         self._think_start = vocab.get("<think>")
         self._think_end = vocab.get("</think>")
         self._tool_start = vocab.get("<tool_call>")
+        self._bare_json_calls = self._tool_start is None
         self._stops = set(model.stop_token_ids)
         self._decode = model.tokenizer.decode
         self._channel = "content"
@@ -64,23 +67,27 @@ class ReplyStreamer:
         text = self._decode(self._pending, skip_special_tokens=False)
         if text.endswith(_REPLACEMENT) and not final:
             return  # the rest of the character is in a later token
+        if self._channel == "content" and not self._content_started:
+            # Templates and parsers drop whitespace between reasoning and the answer.
+            text = text.lstrip()
+            if self._bare_json_calls and text.startswith("{"):
+                if final:  # the channel changes: the final parse delivers this text
+                    self._pending = []
+                return  # maybe a tool call: the final parse decides
+            self._content_started = bool(text)
         self._pending = []
         if self._channel == "reasoning":
             delta.reasoning += text
             self._reasoning += text
         elif self._channel == "content":
-            if not self._content_started:
-                # Templates and parsers drop whitespace between reasoning and the answer.
-                text = text.lstrip()
-                self._content_started = bool(text)
             delta.content += text
             self._content += text
 
     def finish(self, message: Message) -> TextDelta:
         """What the final parse holds beyond what was streamed (so that the streamed text
         adds up to the parsed reply)."""
-        pending = TextDelta()
-        self._emit(pending, final=True)
+        # Held-back tokens are not streamed piecemeal: the final parse is the truth.
+        self._pending = []
         tail = TextDelta()
         final_content = message.content or ""
         if final_content.startswith(self._content):
