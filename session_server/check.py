@@ -809,11 +809,7 @@ def _first_difference(
     )
     kept = model.decode(stored[at:])
     got = model.decode(prompt[at:])
-    how = (
-        "same text, different tokens"
-        if got.startswith(kept) or kept.startswith(got)
-        else "text changed"
-    )
+    how = "same text, different tokens" if got.startswith(kept) else "text changed"
     return (
         f"turn {turn + 1} differs at token {at} ({how}): "
         f"stored {_excerpt(model.decode(stored[at : at + 6]))} "
