@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from typing import Any
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -48,10 +49,39 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(message)s")
     app = create_app(settings)
+    if settings.startup_check:
+        _start_check(app.state.turns, settings)
     uvicorn.run(
         app, host=settings.host, port=settings.port, log_level=settings.log_level, access_log=False
     )
     return 0
+
+
+def _start_check(service: Any, settings: Any) -> None:
+    """The pre-flight check on the served model, off the request path: a daemon thread with
+    its own event loop and its own in-process app, so /healthz never waits on it."""
+    import threading
+    from pathlib import Path
+
+    from session_server.check import startup_check
+
+    def run() -> None:
+        try:
+            startup_check(
+                service.model,
+                Path(settings.check_cache_dir).expanduser(),
+                lambda ok: service.metrics.check_contiguous.set(1 if ok else 0),
+            )
+        except Exception:  # a failed check must never take the server down
+            logging.getLogger("tokenkeep.check").exception("start-up check failed to run")
+
+    thread = threading.Thread(target=run, name="tokenkeep-check", daemon=True)
+    quiet = logging.Filter()
+    # The check's own in-process requests are not traffic: keep them out of the request log.
+    quiet.filter = lambda record: record.threadName != thread.name  # type: ignore[method-assign]
+    for name in ("tokenkeep", "tokenkeep.requests", "httpx"):
+        logging.getLogger(name).addFilter(quiet)
+    thread.start()
 
 
 # Subcommands that own their argument parsing: the rest of the command line goes to them.

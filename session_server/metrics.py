@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -52,3 +52,15 @@ class Metrics:
             "Requests in which session normalisation rules ignored volatile text.",
             registry=r,
         )
+        self.generic_splice = Gauge(
+            "tokenkeep_generic_splice_families",
+            "Served model families on the generic end-of-turn splice (no hand-written "
+            "renderer); above 0 is a warning: run `tokenkeep check` on the model.",
+            registry=r,
+        )
+        self.check_contiguous = Gauge(
+            "tokenkeep_check_contiguous",
+            "Start-up check verdict: 1 token-exact, 0 breaks, -1 not (yet) run.",
+            registry=r,
+        )
+        self.check_contiguous.set(-1)

@@ -36,6 +36,11 @@ class Settings(BaseSettings):
     """If set, every request must present it (Bearer or x-api-key); the session then
     comes from the path or X-Session-ID."""
     log_level: str = "info"
+    startup_check: bool = True
+    """`tokenkeep serve` runs a few `tokenkeep check` scenarios at start-up, in the background,
+    and logs the verdict (TOKENKEEP_STARTUP_CHECK)."""
+    check_cache_dir: str = "~/.cache/tokenkeep/check"
+    """Start-up check verdicts, one file per tokenizer + template hash."""
 
     @field_validator("engine_urls", mode="before")
     @classmethod

@@ -120,7 +120,10 @@ def test_bad_input_is_one_line_and_exit_2(
 def test_bad_input_from_the_command_line_has_no_traceback(tmp_path: Path) -> None:
     result = run_cli("--tokenizer", str(tmp_path))
     assert result.returncode == 2
-    assert result.stderr.strip() == f"tokenkeep check: {tmp_path}: no tokenizer here (no tokenizer.json)"
+    assert (
+        result.stderr.strip()
+        == f"tokenkeep check: {tmp_path}: no tokenizer here (no tokenizer.json)"
+    )
 
 
 def test_startup_check_logs_the_verdict_and_caches_it(
@@ -142,3 +145,18 @@ def test_startup_check_logs_the_verdict_and_caches_it(
         assert startup_check(model, tmp_path, verdicts.append) is True
     assert "start-up check (cached): token-exact" in caplog.text
     assert verdicts == [True, True]
+
+
+@pytest.mark.parametrize(("renderer", "expected"), [("auto", 0.0), ("generic", 1.0)])
+def test_generic_splice_metric(renderer: str, expected: float) -> None:
+    from session_server.app import build_service
+    from session_server.settings import Settings
+    from session_server.store.memory import MemoryStore
+
+    settings = Settings(engine_urls=["http://127.0.0.1:9"], tokenizer=str(llama32_dir()))
+    service = build_service(
+        settings, store=MemoryStore(), model=load_model(settings.tokenizer, renderer)
+    )
+    registry = service.metrics.registry
+    assert registry.get_sample_value("tokenkeep_generic_splice_families") == expected
+    assert registry.get_sample_value("tokenkeep_check_contiguous") == -1
