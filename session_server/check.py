@@ -216,19 +216,33 @@ class Scripter:
         user = [{"role": "user", "content": FIRST_USER}]
         try:
             prompt = self.render_text(user, tools, generation_prompt=True)
-            full = self.render_text([*user, reply], tools, generation_prompt=False)
+            full = self._render_reply(user, reply, tools)
         except Exception as exc:  # templates raise on shapes they do not support
             return None, f"the template refuses it: {_one_line(exc)}"
-        if not full.startswith(prompt):
-            return (
-                None,
-                "the template renders a finished assistant turn unlike its generation prompt",
-            )
-        body = full[len(prompt) :]
+        # Where a template writes a finished turn unlike its generation prompt (a thinking
+        # prompt ends in `<think>`, the finished turn holds `</think>` only), the model
+        # samples what follows their common part.
+        common = 0
+        while common < min(len(prompt), len(full)) and prompt[common] == full[common]:
+            common += 1
+        body = full[common:]
         marker = self.marker()
         if marker and marker in body:
             body = body[: body.index(marker)]
         return body, None
+
+    def _render_reply(self, user: list[dict[str, Any]], reply: dict[str, Any], tools: bool) -> str:
+        """Tool-call arguments as objects (as vLLM's chat endpoint passes them), or as the
+        JSON string some templates concatenate."""
+        try:
+            return self.render_text([*user, reply], tools, generation_prompt=False)
+        except Exception:
+            if not reply.get("tool_calls"):
+                raise
+        as_strings = copy.deepcopy(reply)
+        for call in as_strings["tool_calls"]:
+            call["function"]["arguments"] = json.dumps(call["function"]["arguments"])
+        return self.render_text([*user, as_strings], tools, generation_prompt=False)
 
     def marker(self) -> str | None:
         close = self.model.close_token_id
@@ -609,6 +623,7 @@ class Report:
 
     @property
     def contiguous(self) -> bool:
+        """Every run kept token-exact (no run at all is no verdict: not contiguous)."""
         return bool(self.rows) and all(r.contiguous for r in self.rows)
 
     def as_json(self) -> dict[str, Any]:
@@ -734,7 +749,11 @@ async def _run_one(
     naive_reason: str | None = None
     failure: str | None = None
     for turn, completion in enumerate(completions):
-        naive = _naive_prompt(scripter, chat, scenario.tools)
+        try:
+            naive = _naive_prompt(scripter, chat, scenario.tools)
+        except Exception as exc:  # the template rejects the history as the harness sent it
+            naive_reason = naive_reason or f"turn {turn + 1}: re-rendering fails: {_one_line(exc)}"
+            naive = []
         if naive_prev is not None and naive_reason is None:
             naive_reason = _first_difference(model, naive_prev, naive, turn)
         response = await client.post(
@@ -942,7 +961,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"checking {line}", file=sys.stderr, flush=True)
 
-    logging.getLogger("tokenkeep").setLevel(logging.WARNING)
+    logging.getLogger("tokenkeep").setLevel(logging.ERROR)  # the report says it all
     report = asyncio.run(run_check(model, name=args.tokenizer, progress=progress))
     if interactive:
         print("\r\033[K", end="", file=sys.stderr, flush=True)
