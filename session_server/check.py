@@ -222,10 +222,14 @@ class Scripter:
         # Where a template writes a finished turn unlike its generation prompt (a thinking
         # prompt ends in `<think>`, the finished turn holds `</think>` only), the model
         # samples what follows their common part.
+        prompt_ids, full_ids = self.model.encode(prompt), self.model.encode(full)
         common = 0
-        while common < min(len(prompt), len(full)) and prompt[common] == full[common]:
+        limit = min(len(prompt_ids), len(full_ids))
+        while common < limit and prompt_ids[common] == full_ids[common]:
             common += 1
-        body = full[common:]
+        body = (
+            full[len(prompt) :] if full.startswith(prompt) else self.model.decode(full_ids[common:])
+        )
         marker = self.marker()
         if marker and marker in body:
             body = body[: body.index(marker)]

@@ -28,7 +28,7 @@ class TextDelta:
 
 
 class ReplyStreamer:
-    def __init__(self, model: ChatModel) -> None:
+    def __init__(self, model: ChatModel, prompt_ids: list[int] | None = None) -> None:
         vocab = model.tokenizer.get_vocab()
         self._think_start = vocab.get("<think>")
         self._think_end = vocab.get("</think>")
@@ -36,7 +36,9 @@ class ReplyStreamer:
         self._bare_json_calls = self._tool_start is None
         self._stops = set(model.stop_token_ids)
         self._decode = model.tokenizer.decode
-        self._channel = "content"
+        # Templates of reasoning models (QwQ, DeepSeek-R1) open `<think>` in the generation
+        # prompt itself: the reply then starts inside the reasoning block.
+        self._channel = "reasoning" if model.opens_reasoning(prompt_ids or []) else "content"
         self._pending: list[int] = []  # tokens of the current channel not yet decoded fully
         self._content = ""
         self._reasoning = ""

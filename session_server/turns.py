@@ -559,7 +559,7 @@ class TurnService:
         session_id = plan.session.session_id
         response_id = uuid.uuid4().hex
         started = time.perf_counter()
-        streamers = [ReplyStreamer(self.model) for _ in range(conversation.n)]
+        streamers = [ReplyStreamer(self.model, plan.prompt_ids) for _ in range(conversation.n)]
         tokens: list[list[int]] = [[] for _ in range(conversation.n)]
         logprobs: list[list[float]] = [[] for _ in range(conversation.n)]
         finish: list[tuple[str, int | str | None] | None] = [None] * conversation.n
