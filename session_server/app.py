@@ -32,7 +32,7 @@ from session_server.engines import EngineClient
 from session_server.metrics import Metrics
 from session_server.sampling import generation_defaults
 from session_server.settings import Settings
-from session_server.splice import ChatModel
+from session_server.splice import GENERIC, ChatModel
 from session_server.store import open_store
 from session_server.store.base import SessionStore
 from session_server.tokenizer import load_tokenizer
@@ -71,6 +71,12 @@ def build_service(
         sampling_overrides=settings.sampling_overrides,
         generation_defaults=generation_defaults(settings.tokenizer) if settings.tokenizer else {},
     )
+    metrics = metrics or Metrics()
+    metrics.generic_splice.set(1 if model.family == GENERIC else 0)
+    if model.family == GENERIC:
+        logging.getLogger("tokenkeep").warning(
+            "no hand-written renderer for this model: the generic end-of-turn splice is used"
+        )
     return TurnService(
         store=store
         or open_store(
@@ -89,7 +95,7 @@ def build_service(
         ),
         model=model,
         config=config,
-        metrics=metrics or Metrics(),
+        metrics=metrics,
     )
 
 

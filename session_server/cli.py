@@ -1,4 +1,4 @@
-"""`tokenkeep` command line: serve, engine, demo, operator, sessions."""
+"""`tokenkeep` command line: serve, check, engine, demo, operator, sessions."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+from typing import Any
 
 # How long an idle client connection stays open. It must outlast the clients' own pool expiry
 # (httpx and the OpenAI/Anthropic SDKs: 5 s, aiohttp: 15 s): with uvicorn's default of 5 s the
@@ -106,6 +107,8 @@ def serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(message)s")
     log_mode(settings)
     app = create_app(settings)
+    if settings.startup_check:
+        _start_check(app.state.turns, settings)
     config = uvicorn.Config(
         app,
         host=settings.host,
@@ -120,12 +123,40 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _start_check(service: Any, settings: Any) -> None:
+    """The pre-flight check on the served model, off the request path: a daemon thread with
+    its own event loop and its own in-process app, so /healthz never waits on it."""
+    import threading
+    from pathlib import Path
+
+    from session_server.check import startup_check
+
+    def run() -> None:
+        try:
+            startup_check(
+                service.model,
+                Path(settings.check_cache_dir).expanduser(),
+                lambda ok: service.metrics.check_contiguous.set(1 if ok else 0),
+            )
+        except Exception:  # a failed check must never take the server down
+            logging.getLogger("tokenkeep.check").exception("start-up check failed to run")
+
+    thread = threading.Thread(target=run, name="tokenkeep-check", daemon=True)
+    quiet = logging.Filter()
+    # The check's own in-process requests are not traffic: keep them out of the request log.
+    quiet.filter = lambda record: record.threadName != thread.name  # type: ignore[method-assign]
+    for name in ("tokenkeep", "tokenkeep.requests", "httpx"):
+        logging.getLogger(name).addFilter(quiet)
+    thread.start()
+
+
 # Subcommands that own their argument parsing: the rest of the command line goes to them.
 _DELEGATED = {
     "engine": ("session_server.localengine", "a real vLLM engine on this machine's CPU"),
     "operator": ("tokenkeep_operator.cli", "run the Kubernetes operator"),
     "demo": ("session_server.demo", "run the whole stack locally and drive a session"),
     "sessions": ("session_server.sessions_cli", "list a running server's sessions, show one"),
+    "check": ("session_server.check", "will this model's rollouts stay token-exact? (pre-flight)"),
 }
 
 

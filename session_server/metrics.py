@@ -65,3 +65,15 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.generic_splice = Gauge(
+            "tokenkeep_generic_splice_families",
+            "Served model families on the generic end-of-turn splice (no hand-written "
+            "renderer); above 0 is a warning: run `tokenkeep check` on the model.",
+            registry=r,
+        )
+        self.check_contiguous = Gauge(
+            "tokenkeep_check_contiguous",
+            "Start-up check verdict: 1 token-exact, 0 breaks, -1 not (yet) run.",
+            registry=r,
+        )
+        self.check_contiguous.set(-1)

@@ -70,6 +70,11 @@ class Settings(BaseSettings):
     """Signs the `encrypted_content` of Responses reasoning items; unset, a random key per
     process (items from another replica or before a restart are then not recognised and the
     lineage falls back to the messages, which is always correct, only less exact)."""
+    startup_check: bool = True
+    """`tokenkeep serve` runs a few `tokenkeep check` scenarios at start-up, in the background,
+    and logs the verdict (TOKENKEEP_STARTUP_CHECK)."""
+    check_cache_dir: str = "~/.cache/tokenkeep/check"
+    """Start-up check verdicts, one file per tokenizer + template hash."""
 
     @field_validator("engine_urls", mode="before")
     @classmethod

@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 
 GENERIC = "generic"
 BRIDGE_CONTEXT_TOKENS = 512
+_OPEN_THINK_WINDOW = 8  # a generation prompt's `<think>` is among its last few tokens
 # Renderer families tokenkeep recognises from the tokenizer itself (its special tokens and
 # template), because `renderers` only picks a hand-coded renderer on an exact model name.
 _FAMILY_CONFIGS: dict[str, Any] = {
@@ -84,9 +85,14 @@ class ChatModel:
         if self.family == GENERIC:
             self.renderer = create_renderer(
                 tokenizer,
-                DefaultRendererConfig(tool_parser="qwen3", reasoning_parser="think")
-                if _has_tokens(tokenizer, "<tool_call>", "</tool_call>")
-                else DefaultRendererConfig(),
+                DefaultRendererConfig(
+                    tool_parser="qwen3"
+                    if _has_tokens(tokenizer, "<tool_call>", "</tool_call>")
+                    else None,
+                    reasoning_parser="think"
+                    if _has_tokens(tokenizer, "<think>", "</think>")
+                    else None,
+                ),
             )
         elif self.family in _FAMILY_CONFIGS:
             self.renderer = create_renderer(tokenizer, _FAMILY_CONFIGS[self.family]())
@@ -108,6 +114,24 @@ class ChatModel:
             stop_ids.append(self.close_token_id)
         self.stop_token_ids: list[int] = stop_ids
         self.vocab_size = len(tokenizer)
+        vocab = tokenizer.get_vocab()
+        self.think_ids: tuple[int | None, int | None] = (
+            vocab.get("<think>"),
+            vocab.get("</think>"),
+        )
+
+    def opens_reasoning(self, prompt_ids: list[int]) -> bool:
+        """Whether the prompt ends inside a reasoning block the template opened (QwQ,
+        DeepSeek-R1 and GLM generation prompts end in `<think>`)."""
+        start, end = self.think_ids
+        if start is None:
+            return False
+        for token in reversed(prompt_ids[-_OPEN_THINK_WINDOW:]):
+            if token == end:
+                return False
+            if token == start:
+                return True
+        return False
 
     # --- rendering --------------------------------------------------------------------
 
@@ -196,6 +220,8 @@ class ChatModel:
         before = self._apply_template(history, tools, add_generation_prompt=False)
         after = self._apply_template(history + new_messages, tools, add_generation_prompt=True)
         turns_closed = before.count(close)
+        if not _closed_at_end(self.tokenizer, before, close):
+            turns_closed += 1  # the template closes a turn by opening the next one (GLM)
         position = _nth_index(after, close, turns_closed)
         if turns_closed == 0 or position is None:
             return None
@@ -229,7 +255,13 @@ class ChatModel:
     ) -> Any:
         ids = list(completion_ids)
         if ids and ids[-1] in self.stop_token_ids and ids[-1] not in self._renderer_stops:
-            ids.pop()  # an end-of-turn token the renderer does not know (generic Llama 3)
+            # An end-of-turn token the renderer does not know (generic Llama 3, GLM's
+            # <|user|>) must not stay in the text.
+            ids.pop()
+        if self.family == GENERIC and self.opens_reasoning(prompt_ids):
+            # The default renderer finds a prompt-opened `<think>` only after a ChatML
+            # header; other templates (GLM) open it too: parse as if it were sampled.
+            ids = [self.think_ids[0], *ids]
         return self.renderer.parse_response(
             ids, tools=to_renderer_tools(tools), prompt_ids=prompt_ids
         )
@@ -389,6 +421,15 @@ def _nth_index(tokens: list[int], token: int, n: int) -> int | None:
     return None
 
 
+def _closed_at_end(tokenizer: Any, tokens: list[int], close: int) -> bool:
+    """Whether a rendered history ends with its last turn's close token (then only
+    whitespace), or leaves the close to the next message."""
+    for i in range(len(tokens) - 1, -1, -1):
+        if tokens[i] == close:
+            return not tokenizer.decode(tokens[i + 1 :]).strip()
+    return False
+
+
 def _carries_messages(tokenizer: Any, delta: list[int], messages: list[Message]) -> bool:
     """Proof for the generic splice: each new message's text appears in the bridge, in order."""
     text = tokenizer.decode(delta, skip_special_tokens=False)
@@ -427,27 +468,33 @@ def detect_family(tokenizer: Any) -> str:
 
 
 def detect_close_token(tokenizer: Any) -> int | None:
-    """The special token the chat template puts right after an assistant message."""
+    """The special token the chat template puts right after an assistant message: its own
+    end-of-turn token (ChatML <|im_end|>, Llama 3 <|eot_id|>) or, in templates that close a
+    turn by opening the next one (GLM: <|user|>), the next message's role token."""
     if not getattr(tokenizer, "chat_template", None):
         return None
     marker = "tokenkeepprobe"
-    try:
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}],
-            tokenize=True,
-            return_dict=False,
-        )
-    except Exception:  # templates raise on shapes they dislike; then there is no anchor
-        return None
-    text_ids = list(ids)
     special = set(tokenizer.all_special_ids) | set(
         getattr(tokenizer, "added_tokens_decoder", {}) or {}
     )
+    exchange = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": marker}]
+    for messages in (exchange, [*exchange, {"role": "user", "content": "hi"}]):
+        try:
+            ids = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+        except Exception:  # templates raise on shapes they dislike; then there is no anchor
+            return None
+        found = _special_after(tokenizer, list(ids), marker, special)
+        if found is not None:
+            return found
+    return None
+
+
+def _special_after(tokenizer: Any, ids: list[int], marker: str, special: set[int]) -> int | None:
     decoded = ""
-    for i, token in enumerate(text_ids):
+    for i, token in enumerate(ids):
         decoded += tokenizer.decode([token])
         if marker in decoded:
-            for following in text_ids[i + 1 :]:
+            for following in ids[i + 1 :]:
                 if following in special:
                     return int(following)
             return None

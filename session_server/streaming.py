@@ -46,12 +46,12 @@ class ReplyStreamer:
         self._think_end = vocab.get(_CLOSE)
         self._text_think = self._edges.text_think
         self._tool_start = vocab.get("<tool_call>")
-        self._bare_json_calls = model.family == "llama-3"
+        self._bare_json_calls = self._tool_start is None
         self._stops = set(model.stop_token_ids)
         self._decode = model.tokenizer.decode
-        self._channel = "content"
-        if prompt_ids and model.parse([], "length", prompt_ids, []).message.reasoning is not None:
-            self._channel = "reasoning"  # the prompt opened a reasoning block
+        # Templates of reasoning models (QwQ, DeepSeek-R1, GLM) open `<think>` in the
+        # generation prompt itself: the reply then starts inside the reasoning block.
+        self._channel = "reasoning" if model.opens_reasoning(prompt_ids or []) else "content"
         self._pending: list[int] = []  # tokens of the current channel not yet decoded fully
         self._text = {"content": "", "reasoning": ""}
         self._sent = {"content": "", "reasoning": ""}

