@@ -5,7 +5,9 @@ Wire protocol (vLLM 0.32, `--enable-scale-out`): `POST /inference/v1/generate` w
 "model": ..., "request_id": ...}`. The answer carries per choice `token_ids`, `finish_reason`,
 `stop_reason` and, with `sampling_params.logprobs = 0`, the sampled token's logprob at
 `choices[i].logprobs.content[j].logprob`; `prompt_token_ids` at the top (streaming: in the
-first chunk only). Streaming sends one SSE `data:` chunk per engine step and choice, ends with
+first chunk only); per choice `weight_versions: [{"version", "start", "end"}]`, the policy
+version that sampled each span of the completion (streaming: in the choice's last chunk).
+Streaming sends one SSE `data:` chunk per engine step and choice, ends with
 `data: [DONE]`, and reports a failure after the 200 as a `data: {"error": {...}}` line.
 Engines without the endpoint get the same request as `/v1/completions` on a token-ID prompt.
 
@@ -26,18 +28,22 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 import httpx
 import orjson
 
+from session_server.store.base import WeightSpan
+
 logger = logging.getLogger(__name__)
 
 GENERATE_PATH = "/inference/v1/generate"
 COMPLETIONS_PATH = "/v1/completions"
 HEALTH_PATH = "/health"
+# vLLM answers it in dev mode (VLLM_SERVER_DEV_MODE=1): {"weight_version": "..."}.
+WEIGHT_INFO_PATH = "/weight_info"
 # vLLM reads this header for session-aware scheduling; it costs nothing to send.
 SESSION_HEADER = "X-Session-ID"
 
@@ -49,6 +55,7 @@ class EngineChoice:
     logprobs: list[float]
     finish_reason: str
     stop_reason: int | str | None
+    weight_versions: list[WeightSpan] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -75,6 +82,8 @@ class GenerationDelta:
     logprobs: list[float]
     finish_reason: str | None
     stop_reason: int | str | None
+    weight_versions: list[WeightSpan] | None = None
+    """The whole completion's spans (vLLM sends them with the choice's last chunk)."""
 
 
 StreamEvent = StreamStart | GenerationDelta
@@ -123,6 +132,11 @@ class Replica:
     url: str
     healthy: bool = True  # optimistic until a check or a request says otherwise
     protocol: Protocol = Protocol.GENERATE
+    weight_version: str | None = None
+    """The policy version the replica serves: from `GET /weight_info` where the engine
+    answers it, else the version that sampled the last tokens it returned."""
+    weight_info: bool = True
+    """False once the replica answered `GET /weight_info` with an error (not in dev mode)."""
 
 
 async def _resolve(url: str) -> list[str]:
@@ -266,6 +280,29 @@ class EngineClient:
         if healthy != replica.healthy:
             logger.warning("engine %s is now %s", replica.url, "up" if healthy else "down")
         replica.healthy = healthy
+        if healthy and replica.weight_info:
+            await self._check_weight_version(replica)
+
+    async def _check_weight_version(self, replica: Replica) -> None:
+        try:
+            response = await self._http.get(
+                replica.url + WEIGHT_INFO_PATH, timeout=self._health_timeout
+            )
+        except httpx.HTTPError:
+            return
+        version = None
+        if response.status_code == 200:
+            with contextlib.suppress(ValueError, AttributeError):
+                version = response.json().get("weight_version")
+        if version is None:
+            replica.weight_info = False
+            return
+        replica.weight_version = str(version)
+
+    @staticmethod
+    def _observe_version(replica: Replica, spans: list[WeightSpan] | None) -> None:
+        if spans:
+            replica.weight_version = spans[-1].version
 
     async def discover(self) -> None:
         """With discovery on, every address a configured host name resolves to is one
@@ -327,6 +364,8 @@ class EngineClient:
                 last_error = self._note_failure(replica, failure)
                 continue
             generation.latency_s = time.perf_counter() - started
+            for choice in generation.choices:
+                self._observe_version(replica, choice.weight_versions)
             return generation
         assert last_error is not None
         raise last_error
@@ -364,6 +403,7 @@ class EngineClient:
                         started = True
                         yield StreamStart(replica.url, prompt_ids_seen)
                     for delta in deltas:
+                        self._observe_version(replica, delta.weight_versions)
                         yield delta
                 return
             except _Retryable as failure:
@@ -539,6 +579,13 @@ def _completions_logprobs(choice: dict[str, Any]) -> list[float]:
     return [lp if lp is not None else float("nan") for lp in logprobs.get("token_logprobs") or ()]
 
 
+def _weight_spans(choice: dict[str, Any]) -> list[WeightSpan] | None:
+    spans = choice.get("weight_versions")
+    if not spans:
+        return None
+    return [WeightSpan(str(s["version"]), int(s["start"]), int(s["end"])) for s in spans]
+
+
 def _parse_generate(payload: dict[str, Any], url: str) -> Generation:
     choices = [
         EngineChoice(
@@ -547,6 +594,7 @@ def _parse_generate(payload: dict[str, Any], url: str) -> Generation:
             logprobs=_generate_logprobs(c),
             finish_reason=c.get("finish_reason") or "stop",
             stop_reason=c.get("stop_reason"),
+            weight_versions=_weight_spans(c) or [],
         )
         for c in payload.get("choices", ())
     ]
@@ -581,6 +629,7 @@ def _deltas_from_generate_chunk(
             logprobs=_generate_logprobs(c),
             finish_reason=c.get("finish_reason"),
             stop_reason=c.get("stop_reason"),
+            weight_versions=_weight_spans(c),
         )
         for c in chunk.get("choices", ())
     ]

@@ -41,6 +41,7 @@ from session_server.conversation import (
     validate,
 )
 from session_server.engines import EngineClient, GenerationDelta
+from session_server.export import turns_by_version
 from session_server.metrics import Metrics
 from session_server.results import (
     ChoiceDelta,
@@ -61,6 +62,7 @@ from session_server.store.base import (
     SessionNotFound,
     SessionStore,
     TurnRecord,
+    WeightSpan,
 )
 from session_server.streaming import ReplyStreamer
 
@@ -120,6 +122,7 @@ class TurnService:
         self.model = model
         self.config = config
         self.metrics = metrics
+        metrics.watch_weight_versions(self.engine_versions)
         # Session metadata never changes after creation, so it is cached to save a round
         # trip per request; a deleted session still fails at append time.
         self._sessions: dict[str, SessionMeta] = {}
@@ -128,6 +131,10 @@ class TurnService:
         # checks the session's incarnation, so a deleted and re-created id is never served
         # from an old cache.
         self._records: OrderedDict[str, RecordCache] = OrderedDict()
+
+    def engine_versions(self) -> dict[str, str | None]:
+        """Replica URL -> the policy version it serves (None: not known yet)."""
+        return {replica.url: replica.weight_version for replica in self.engine.replicas}
 
     # --- sessions -------------------------------------------------------------------
 
@@ -550,6 +557,7 @@ class TurnService:
                     c.stop_reason,
                     reply.message,
                     reply.finish_reason,
+                    c.weight_versions,
                 )
                 for c, reply in replies
             ],
@@ -563,6 +571,7 @@ class TurnService:
         tokens: list[list[int]] = [[] for _ in range(conversation.n)]
         logprobs: list[list[float]] = [[] for _ in range(conversation.n)]
         finish: list[tuple[str, int | str | None] | None] = [None] * conversation.n
+        versions: list[list[WeightSpan]] = [[] for _ in range(conversation.n)]
         announced = False
         engine_stream = self.engine.stream(
             session_id,
@@ -590,6 +599,8 @@ class TurnService:
                         )
                     if event.finish_reason is not None:
                         finish[i] = (event.finish_reason, event.stop_reason)
+                    if event.weight_versions is not None:
+                        versions[i] = event.weight_versions
                 else:  # the engine's report of the prompt it received
                     self._check_proof(plan, event.prompt_ids)
         self.metrics.engine_seconds.observe(time.perf_counter() - started)
@@ -616,6 +627,7 @@ class TurnService:
                     stop_reason,
                     reply.message,
                     reply.finish_reason,
+                    versions[i],
                 )
             )
         result = await self._record(plan, conversation, sampled, response_id=response_id)
@@ -679,6 +691,7 @@ class TurnService:
                     stop_reason=s.stop_reason,
                     n_messages=plan.n_messages,
                     api=conversation.api,
+                    weight_versions=s.weight_versions,
                     extra={"splice_ms": round(plan.splice_seconds * 1000, 3)}
                     | ({"reply_key": reply_key} if reply_key else {})
                     | ({"volatile": plan.volatile} if plan.volatile else {}),
@@ -690,6 +703,8 @@ class TurnService:
             self._sessions.pop(plan.session.session_id, None)
             raise
         self.metrics.turns.labels(kind=plan.kind).inc(len(records))
+        for version, count in turns_by_version(records).items():
+            self.metrics.turns_by_weight_version.labels(version=version).inc(count)
         if plan.volatile:
             self.metrics.normalized_requests.inc()
         if plan.break_reason and plan.kind in ("rewrite",):
@@ -728,6 +743,7 @@ class _Sampled:
     stop_reason: int | str | None
     message: Message
     api_finish: str
+    weight_versions: list[WeightSpan]
 
 
 def volatile_parts(conversation: Conversation, rules: list[re.Pattern[str]]) -> list[str]:

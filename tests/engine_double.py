@@ -10,7 +10,10 @@ covers the real behaviour; this double is checked against transcripts recorded f
 engine's.
 
 Endpoints: `POST /inference/v1/generate` (stream and not), `POST /v1/completions` (token-ID
-prompt; for the client's fallback), `GET /health`, `GET /v1/models`. A double made with
+prompt; for the client's fallback), `GET /health`, `GET /v1/models`, and with `dev_mode`
+(vLLM's `VLLM_SERVER_DEV_MODE=1`) `GET /weight_info` and `POST /update_weight_version`
+(`{"new_version": ...}`), which set the policy version reported in each choice's
+`weight_versions` (vLLM: `vllm/entrypoints/rl/online/api_router.py`). A double made with
 `generate_endpoint=False` answers the generate path with 404 like an engine started without
 `--enable-scale-out`.
 
@@ -57,6 +60,8 @@ class ScriptedCompletion:
     finish_reason: str = "stop"
     stop_reason: int | str | None = None
     logprobs: list[float] | None = None
+    weight_versions: list[tuple[str, int, int]] | None = None
+    """(version, start, end) spans to report; None: the double's current version throughout."""
 
     def logprob_values(self) -> list[float]:
         if self.logprobs is not None:
@@ -142,6 +147,8 @@ class EngineDouble:
     generate_endpoint: bool = True
     default: Callable[[list[int], dict[str, Any]], ScriptedCompletion] | None = None
     healthy: bool = True
+    dev_mode: bool = False
+    weight_version: str = "default"
     chunk_delay_s: float = 0.0
     """Pause after each streamed chunk (to let a test act while a stream is running)."""
     streams_ended: int = 0
@@ -176,6 +183,8 @@ class EngineDouble:
             self.requests.clear()
             self.default = None
             self.healthy = True
+            self.dev_mode = False
+            self.weight_version = "default"
             self.chunk_delay_s = 0.0
             self.streams_ended = 0
             self.generate_endpoint = True
@@ -230,8 +239,23 @@ class EngineDouble:
                 Route(COMPLETIONS_PATH, self._completions, methods=["POST"]),
                 Route("/health", self._health, methods=["GET"]),
                 Route("/v1/models", self._models, methods=["GET"]),
+                Route("/weight_info", self._weight_info, methods=["GET"]),
+                Route("/update_weight_version", self._update_weight_version, methods=["POST"]),
             ]
         )
+
+    async def _weight_info(self, _request: Request) -> Response:
+        if not self.dev_mode:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        return JSONResponse({"weight_version": self.weight_version})
+
+    async def _update_weight_version(self, request: Request) -> Response:
+        if not self.dev_mode:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        version = (await request.json())["new_version"]
+        with self._lock:
+            self.weight_version = str(version)
+        return JSONResponse({"success": True, "new_version": version})
 
     async def _health(self, _request: Request) -> Response:
         return Response(status_code=200 if self.healthy else 503)
@@ -386,6 +410,15 @@ class EngineDouble:
                     "length",
                     None,
                     completion.logprob_values()[:max_tokens],
+                    completion.weight_versions,
+                )
+            if completion.weight_versions is None:
+                completion = ScriptedCompletion(
+                    completion.token_ids,
+                    completion.finish_reason,
+                    completion.stop_reason,
+                    completion.logprobs,
+                    [(self.weight_version, 0, len(completion.token_ids))],
                 )
             chosen.append(completion)
         return chosen
@@ -530,8 +563,12 @@ def _generate_logprobs(token_ids: list[int], values: list[float]) -> dict[str, A
     }
 
 
-def _weight_versions(length: int) -> list[dict[str, Any]]:
-    return [{"version": "default", "start": 0, "end": length}]
+def _weight_versions(completion: ScriptedCompletion) -> list[dict[str, Any]]:
+    return [
+        {"version": version, "start": start, "end": min(end, len(completion.token_ids))}
+        for version, start, end in completion.weight_versions or ()
+        if start < len(completion.token_ids)
+    ]
 
 
 def _generate_choice(
@@ -541,7 +578,6 @@ def _generate_choice(
     values: list[float],
     finished: bool,
     want_logprobs: bool,
-    total: int,
 ) -> dict[str, Any]:
     return {
         "index": index,
@@ -550,7 +586,7 @@ def _generate_choice(
         "token_ids": token_ids,
         "routed_experts": None,
         "sampling_mask": None,
-        "weight_versions": _weight_versions(total) if finished else None,
+        "weight_versions": _weight_versions(completion) if finished else None,
         "logprobs": _generate_logprobs(token_ids, values) if want_logprobs else None,
     }
 
@@ -588,9 +624,7 @@ def _generate_response(
         "ec_transfer_params": None,
         "output_mode": "tokens",
         "choices": [
-            _generate_choice(
-                i, c, c.token_ids, c.logprob_values(), True, want_logprobs, len(c.token_ids)
-            )
+            _generate_choice(i, c, c.token_ids, c.logprob_values(), True, want_logprobs)
             for i, c in enumerate(completions)
         ],
     }
@@ -630,7 +664,6 @@ def _generate_chunks(
                 values[index][position : position + 1],
                 position >= total - 1,
                 want_logprobs,
-                total,
             )
         ]
         yield f"data: {_compact(chunk)}\n\n"

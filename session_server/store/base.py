@@ -54,6 +54,19 @@ class TurnRecord:
     """Which front-end produced the turn: chat | responses | messages | completions."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Small JSON-serialisable facts: timings, response id, normalisation notes."""
+    weight_versions: list[WeightSpan] = field(default_factory=list)
+    """Which policy version sampled which completion tokens, as the engine reported it
+    (vLLM's per-choice `weight_versions`), in completion coordinates; [] if it reported
+    none (an older engine, the /v1/completions fallback)."""
+
+
+@dataclass(slots=True, frozen=True)
+class WeightSpan:
+    """Completion tokens [start, end) were sampled by policy `version`."""
+
+    version: str
+    start: int
+    end: int
 
 
 @dataclass(slots=True)
@@ -135,12 +148,25 @@ class SessionCounters:
     """Tokens stored: the sum of len(prompt_delta) + len(completion_ids) over all turns."""
 
 
+@dataclass(slots=True)
+class Finish:
+    """A finished rollout: when, its reward, what the driver said about it."""
+
+    finished_at: float
+    reward: float | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
 class SessionNotFound(KeyError):
     pass
 
 
 class SessionExists(ValueError):
     pass
+
+
+class AlreadyFinished(ValueError):
+    """`finish_session` on a session that is finished already; nothing was changed."""
 
 
 class UnknownParent(ValueError):
@@ -215,6 +241,22 @@ class SessionStore(Protocol):
     async def get_turns(self, session_id: str, turn_ids: list[int]) -> list[TurnRecord | None]: ...
 
     async def counters(self, session_id: str) -> SessionCounters: ...
+
+    async def finish_session(self, session_id: str, finish: Finish) -> None:
+        """Mark the session finished (it then appears in `list_finished`). Raises
+        SessionNotFound, or AlreadyFinished (changing nothing). The TTL is left as it is."""
+        ...
+
+    async def get_finish(self, session_id: str) -> Finish | None:
+        """The session's finish, None while it is not finished. Raises SessionNotFound."""
+        ...
+
+    async def list_finished(
+        self, *, since: float | None = None, until: float | None = None, limit: int = 1000
+    ) -> list[tuple[str, SessionMeta, Finish]]:
+        """Finished sessions that still exist, oldest finish first, with
+        `since <= finished_at <= until`; at most `limit`."""
+        ...
 
     async def ping(self) -> bool: ...
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from session_server.store.base import SessionMeta, TurnRecord
+from session_server.store.base import Finish, SessionMeta, TurnRecord, WeightSpan
 
 VERSION = 1
 # version, parent_id (0 = root), flags, kind code, api code, finish code,
@@ -107,6 +107,8 @@ def encode_turn(record: TurnRecord) -> bytes:
         rare["b"] = record.break_reason
     if record.extra:
         rare["x"] = record.extra
+    if record.weight_versions:
+        rare["w"] = _pack_weight_versions(record.weight_versions, completion.size)
     rare_json = (
         json.dumps(rare, separators=(",", ":"), ensure_ascii=False).encode() if rare else b""
     )
@@ -183,7 +185,31 @@ def decode_turn(turn_id: int, blob: bytes) -> TurnRecord:
         created_at=created_at,
         api=_APIS[api - 1] if api else rare["a"],
         extra=rare.get("x", {}),
+        weight_versions=_unpack_weight_versions(rare.get("w"), n_completion),
     )
+
+
+def _pack_weight_versions(spans: list[WeightSpan], n_completion: int) -> str | list[Any]:
+    """The common case, one version for the whole completion, is just the version string
+    (a few bytes per turn); otherwise [[version, start, end], ...]."""
+    end = 0
+    for span in spans:
+        if not isinstance(span.version, str) or not (end <= span.start < span.end):
+            raise ValueError(f"weight_versions spans must be ordered and non-empty: {spans}")
+        end = span.end
+    if end > n_completion:
+        raise ValueError(f"weight_versions span past the {n_completion} completion tokens")
+    if len(spans) == 1 and spans[0].start == 0 and spans[0].end == n_completion:
+        return spans[0].version
+    return [[s.version, s.start, s.end] for s in spans]
+
+
+def _unpack_weight_versions(packed: str | list[Any] | None, n_completion: int) -> list[WeightSpan]:
+    if packed is None:
+        return []
+    if isinstance(packed, str):
+        return [WeightSpan(packed, 0, n_completion)]
+    return [WeightSpan(v, start, end) for v, start, end in packed]
 
 
 def stored_tokens(record: TurnRecord) -> int:
@@ -197,6 +223,14 @@ def encode_meta(meta: SessionMeta) -> bytes:
 
 def decode_meta(blob: bytes) -> SessionMeta:
     return SessionMeta(**json.loads(blob))
+
+
+def encode_finish(finish: Finish) -> bytes:
+    return json.dumps(asdict(finish), separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def decode_finish(blob: bytes) -> Finish:
+    return Finish(**json.loads(blob))
 
 
 def validate_meta(meta: SessionMeta) -> None:

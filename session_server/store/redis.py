@@ -10,6 +10,9 @@ and every script may touch all of them:
 - `{prefix}:{<sid>}:index`   hash: lookup key -> turn id (first writer wins);
 - `{prefix}:{<sid>}:parents` hash: turn id -> parent id (0 = root), so that the lookup script
                              walks a path without copying the records the caller holds.
+A finished session also has `fin` (packed Finish) in its meta hash and is a member of the
+sorted set `{prefix}:finished` (score: finish time), the one key shared by all sessions: it is
+only ever used by single-key commands, so it may live in any Cluster slot.
 Lookups and appends are Lua scripts (EVALSHA), so each is one round trip and atomic.
 """
 
@@ -26,6 +29,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from session_server.store.base import (
+    AlreadyFinished,
+    Finish,
     LookupResult,
     RecordCache,
     SessionCounters,
@@ -37,9 +42,11 @@ from session_server.store.base import (
     new_incarnation,
 )
 from session_server.store.codec import (
+    decode_finish,
     decode_meta,
     decode_turn,
     encode_append,
+    encode_finish,
     encode_meta,
     validate_meta,
 )
@@ -70,6 +77,8 @@ class RedisStore:
         self._append = self._redis.register_script(_script("append.lua"))
         self._create = self._redis.register_script(_script("create.lua"))
         self._delete = self._redis.register_script(_script("delete.lua"))
+        self._finish = self._redis.register_script(_script("finish.lua"))
+        self._finished_key = f"{key_prefix}:finished"
 
     def session_keys(self, session_id: str) -> list[str]:
         """Every key the session occupies: meta, turns, index, parents (in that order)."""
@@ -92,7 +101,9 @@ class RedisStore:
         return None if packed is None else decode_meta(packed)
 
     async def delete_session(self, session_id: str) -> bool:
-        return bool(await self._delete(keys=self.session_keys(session_id)))
+        deleted = bool(await self._delete(keys=self.session_keys(session_id)))
+        await self._redis.zrem(self._finished_key, session_id)
+        return deleted
 
     async def lookup(
         self,
@@ -225,6 +236,60 @@ class RedisStore:
             },
             tokens=int(fields[b"tokens"]),
         )
+
+    async def finish_session(self, session_id: str, finish: Finish) -> None:
+        packed = encode_finish(finish)
+        # Indexed first: a member whose session holds no `fin` (the script below failed or
+        # said no) is skipped by list_finished, while a finish missing from the index
+        # would never be listed.
+        await self._redis.zadd(self._finished_key, {session_id: finish.finished_at}, nx=True)
+        status = await self._finish(keys=self.session_keys(session_id)[:1], args=[packed])
+        if status == b"gone":
+            await self._redis.zrem(self._finished_key, session_id)
+            raise SessionNotFound(session_id)
+        if status == b"done":
+            raise AlreadyFinished(session_id)
+
+    async def get_finish(self, session_id: str) -> Finish | None:
+        meta_key = self.session_keys(session_id)[0]
+        exists, packed = await self._read_fields(meta_key, "fin")
+        if not exists:
+            raise SessionNotFound(session_id)
+        return None if packed is None else decode_finish(packed)
+
+    async def _read_fields(self, meta_key: str, *fields: str) -> list[Any]:
+        async with self._redis.pipeline(transaction=True) as pipe:
+            pipe.exists(meta_key)
+            pipe.hmget(meta_key, *fields)
+            exists, values = await pipe.execute()
+        return [exists, *values]
+
+    async def list_finished(
+        self, *, since: float | None = None, until: float | None = None, limit: int = 1000
+    ) -> list[tuple[str, SessionMeta, Finish]]:
+        members = await self._redis.zrangebyscore(
+            self._finished_key,
+            "-inf" if since is None else since,
+            "+inf" if until is None else until,
+            start=0,
+            num=limit,
+        )
+        if not members:
+            return []
+        async with self._redis.pipeline(transaction=False) as pipe:
+            for member in members:
+                pipe.hmget(self.session_keys(member.decode())[0], "meta", "fin")
+            rows = await pipe.execute()
+        found: list[tuple[str, SessionMeta, Finish]] = []
+        gone: list[bytes] = []
+        for member, (meta, fin) in zip(members, rows, strict=True):
+            if meta is None:
+                gone.append(member)  # expired: its index entry goes too
+            elif fin is not None:
+                found.append((member.decode(), decode_meta(meta), decode_finish(fin)))
+        if gone:
+            await self._redis.zrem(self._finished_key, *gone)
+        return found
 
     async def ping(self) -> bool:
         try:
