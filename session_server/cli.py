@@ -1,4 +1,4 @@
-"""`tokenkeep` command line: serve, engine, demo, operator."""
+"""`tokenkeep` command line: serve, engine, demo, operator, export."""
 
 from __future__ import annotations
 
@@ -59,6 +59,7 @@ _DELEGATED = {
     "engine": ("session_server.localengine", "a real vLLM engine on this machine's CPU"),
     "operator": ("tokenkeep_operator.cli", "run the Kubernetes operator"),
     "demo": ("session_server.demo", "run the whole stack locally and drive a session"),
+    "export": ("tokenkeep.cli", "write finished rollouts to a Parquet or JSONL file"),
 }
 
 
