@@ -140,6 +140,13 @@ class Engine(CRDModel):
         None, description="vLLM tool-call parser; also turns on --enable-auto-tool-choice."
     )
     reasoning_parser: str | None = None
+    return_routed_experts: bool = Field(
+        False,
+        description=(
+            "MoE routing replay: the engine returns the experts each token was routed to "
+            "(--enable-return-routed-experts); sessions that ask for them store them."
+        ),
+    )
     extra_args: list[str] = Field(default_factory=list)
     env: list[EnvVar] = Field(default_factory=list)
 
