@@ -51,6 +51,7 @@ def build_service(
         context_length=context,
         create_on_first_use=settings.create_sessions_on_first_use,
         default_ttl_seconds=settings.session_ttl_seconds,
+        routed_experts=settings.routed_experts,
         sampling_overrides=settings.sampling_overrides,
         generation_defaults=generation_defaults(settings.tokenizer) if settings.tokenizer else {},
     )

@@ -30,6 +30,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="one replica per address of each engine host (TOKENKEEP_ENGINE_DISCOVERY)",
     )
+    p.add_argument(
+        "--routed-experts",
+        action="store_true",
+        default=None,
+        help="store MoE expert routes of every session by default; the engine needs "
+        "--enable-return-routed-experts (TOKENKEEP_ROUTED_EXPERTS)",
+    )
     p.add_argument("--log-level", default=env("TOKENKEEP_LOG_LEVEL", "info"))
 
 

@@ -6,7 +6,10 @@ Wire protocol (vLLM 0.32, `--enable-scale-out`): `POST /inference/v1/generate` w
 `stop_reason` and, with `sampling_params.logprobs = 0`, the sampled token's logprob at
 `choices[i].logprobs.content[j].logprob`; `prompt_token_ids` at the top (streaming: in the
 first chunk only); per choice `weight_versions: [{"version", "start", "end"}]`, the policy
-version that sampled each span of the completion (streaming: in the choice's last chunk).
+version that sampled each span of the completion (streaming: in the choice's last chunk);
+with `--enable-return-routed-experts`, per finished choice `routed_experts`: base64 of `.npy`
+bytes, (positions, layers, top_k), from `sampling_params.routed_experts_prompt_start` to the
+last token but one.
 Streaming sends one SSE `data:` chunk per engine step and choice, ends with
 `data: [DONE]`, and reports a failure after the 200 as a `data: {"error": {...}}` line.
 Engines without the endpoint get the same request as `/v1/completions` on a token-ID prompt.
@@ -20,8 +23,11 @@ fails before its first token is retried on the next replica in the session's ord
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import hashlib
+import io
 import json
 import logging
 import socket
@@ -33,6 +39,7 @@ from enum import Enum
 from typing import Any
 
 import httpx
+import numpy as np
 import orjson
 
 from session_server.store.base import WeightSpan
@@ -56,6 +63,7 @@ class EngineChoice:
     finish_reason: str
     stop_reason: int | str | None
     weight_versions: list[WeightSpan] = field(default_factory=list)
+    routed_experts: np.ndarray | None = None
 
 
 @dataclass(slots=True)
@@ -84,6 +92,8 @@ class GenerationDelta:
     stop_reason: int | str | None
     weight_versions: list[WeightSpan] | None = None
     """The whole completion's spans (vLLM sends them with the choice's last chunk)."""
+    routed_experts: np.ndarray | None = None
+    """(positions, layers, top_k), in the choice's last chunk (MoE routing replay)."""
 
 
 StreamEvent = StreamStart | GenerationDelta
@@ -586,6 +596,18 @@ def _weight_spans(choice: dict[str, Any]) -> list[WeightSpan] | None:
     return [WeightSpan(str(s["version"]), int(s["start"]), int(s["end"])) for s in spans]
 
 
+def _routes(choice: dict[str, Any]) -> np.ndarray | None:
+    encoded = choice.get("routed_experts")
+    if not encoded:
+        return None
+    try:
+        experts = np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
+    except (ValueError, binascii.Error, OSError):
+        logger.warning("engine sent routed_experts that are not base64 .npy; ignored")
+        return None
+    return experts if experts.ndim == 3 else None
+
+
 def _parse_generate(payload: dict[str, Any], url: str) -> Generation:
     choices = [
         EngineChoice(
@@ -595,6 +617,7 @@ def _parse_generate(payload: dict[str, Any], url: str) -> Generation:
             finish_reason=c.get("finish_reason") or "stop",
             stop_reason=c.get("stop_reason"),
             weight_versions=_weight_spans(c) or [],
+            routed_experts=_routes(c),
         )
         for c in payload.get("choices", ())
     ]
@@ -630,6 +653,7 @@ def _deltas_from_generate_chunk(
             finish_reason=c.get("finish_reason"),
             stop_reason=c.get("stop_reason"),
             weight_versions=_weight_spans(c),
+            routed_experts=_routes(c),
         )
         for c in chunk.get("choices", ())
     ]

@@ -10,13 +10,22 @@ no version), `versions` (the distinct ones, in order of first use) and `mixed_ve
 A `Staleness` filter treats sampled tokens of a version below `min_version` (or of no known
 version) as stale: `mask` keeps them as context (loss 0) and counts them, `drop` leaves out
 every segment that holds one (a segment is one training sequence: it cannot lose a middle).
+
+MoE routing replay: a segment of a session that stores routes has `routed_experts`, base64 of
+`.npy` bytes (vLLM's own encoding) of an array (T - 1, layers, top_k) for its T tokens: row i
+holds the experts position i was routed to when the rollout forwarded it (the last token was
+sampled, never forwarded). It is null when any turn of the segment lacks routes.
 """
 
 from __future__ import annotations
 
+import base64
+import io
 import math
 from dataclasses import dataclass
 from typing import Any, Literal
+
+import numpy as np
 
 from session_server.store.base import Finish, SessionMeta, TurnRecord, WeightSpan
 
@@ -51,6 +60,27 @@ def _sampled_versions(turn: TurnRecord) -> list[str | None]:
     return versions
 
 
+def encode_routes(experts: np.ndarray) -> str:
+    with io.BytesIO() as buffer:
+        np.save(buffer, experts, allow_pickle=False)
+        return base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def _segment_routes(path: list[TurnRecord], length: int) -> str | None:
+    """The segment's turns' routes end to end, if they cover positions [0, length - 1)."""
+    end = 0
+    parts = []
+    for turn in path:
+        routes = turn.routed_experts
+        if routes is None or routes.start != end:
+            return None
+        parts.append(routes.experts)
+        end = routes.end
+    if end != length - 1 or not parts:
+        return None
+    return encode_routes(np.concatenate(parts) if len(parts) > 1 else parts[0])
+
+
 def _shifted(spans: list[WeightSpan], offset: int) -> list[dict[str, Any]]:
     return [{"version": s.version, "start": s.start + offset, "end": s.end + offset} for s in spans]
 
@@ -73,9 +103,11 @@ def branches(turns: list[TurnRecord]) -> list[list[TurnRecord]]:
 
 def segments(path: list[TurnRecord], staleness: Staleness | None = None) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
+    members: list[list[TurnRecord]] = []
     current: dict[str, Any] | None = None
     for turn in path:
         if current is None or turn.segment_start:
+            members.append([])
             current = {
                 "index": len(out),
                 "start_reason": turn.break_reason or "first",
@@ -90,6 +122,7 @@ def segments(path: list[TurnRecord], staleness: Staleness | None = None) -> list
             if staleness is not None:
                 current["stale_tokens"] = 0
             out.append(current)
+        members[-1].append(turn)
         tokens = current["token_ids"]
         prompt_start = len(tokens)
         tokens.extend(turn.prompt_delta)
@@ -136,6 +169,8 @@ def segments(path: list[TurnRecord], staleness: Staleness | None = None) -> list
             | ({"stale_tokens": stale} if staleness is not None else {})
             | ({"volatile": turn.extra["volatile"]} if "volatile" in turn.extra else {})
         )
+    for segment, turns in zip(out, members, strict=True):
+        segment["routed_experts"] = _segment_routes(turns, len(segment["token_ids"]))
     if staleness is not None and staleness.action == "drop":
         out = [segment for segment in out if not segment["stale_tokens"]]
     return out
@@ -179,6 +214,7 @@ def rows(
                     "versions": segment["versions"],
                     "mixed_versions": segment["mixed_versions"],
                     "stale_tokens": segment.get("stale_tokens", 0),
+                    "routed_experts": segment["routed_experts"],
                     "reward": finish.reward if finish else None,
                     "finished_at": finish.finished_at if finish else None,
                     "metadata": meta.metadata,

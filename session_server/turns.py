@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import math
 import re
 import time
@@ -30,6 +31,8 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from session_server.conversation import (
     Conversation,
@@ -57,6 +60,7 @@ from session_server.splice import BRIDGE_CONTEXT_TOKENS, ChatModel
 from session_server.store.base import (
     LookupResult,
     RecordCache,
+    RoutedExperts,
     SessionExists,
     SessionMeta,
     SessionNotFound,
@@ -67,6 +71,7 @@ from session_server.store.base import (
 from session_server.streaming import ReplyStreamer
 
 RESPONSE_KEY_PREFIX = "resp:"
+logger = logging.getLogger(__name__)
 
 
 class SessionMissing(LookupError):
@@ -96,6 +101,15 @@ class Plan:
     volatile: list[str] = field(default_factory=list)
     """Text the session's normalisation rules ignored in this request (recorded)."""
 
+    @property
+    def route_start(self) -> int:
+        """The first segment position whose experts this turn's request reports: its
+        parent's last sampled token, which no earlier request forwarded (0 for a segment's
+        first turn)."""
+        if self.segment_start:
+            return 0
+        return len(self.prompt_ids) - len(self.prompt_delta) - 1
+
 
 @dataclass(slots=True)
 class ServiceConfig:
@@ -103,6 +117,8 @@ class ServiceConfig:
     context_length: int
     create_on_first_use: bool = True
     default_ttl_seconds: int | None = 86400
+    routed_experts: bool = False
+    """Sessions store MoE routes unless created saying otherwise."""
     sampling_overrides: dict[str, Any] = field(default_factory=dict)
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     max_sessions_cached: int = 4096
@@ -158,6 +174,7 @@ class TurnService:
         sampling_overrides: dict[str, Any] | None = None,
         metadata: dict[str, Any] | None = None,
         normalization: list[dict[str, Any]] | None = None,
+        routed_experts: bool | None = None,
     ) -> SessionMeta:
         if normalization:
             compile_rules(normalization)  # reject bad patterns before anything is stored
@@ -168,6 +185,7 @@ class TurnService:
             sampling_overrides=dict(sampling_overrides or {}),
             metadata=dict(metadata or {}),
             normalization=list(normalization or []),
+            routed_experts=self.config.routed_experts if routed_experts is None else routed_experts,
         )
         try:
             created = await self.store.create_session(meta)
@@ -252,6 +270,7 @@ class TurnService:
             self.model,
             prompt_length=len(plan.prompt_ids),
         )
+        _ask_for_routes(plan)
         return plan
 
     async def plan_tokens(
@@ -333,6 +352,7 @@ class TurnService:
         plan.sampling = build_sampling(
             conversation, meta.sampling_overrides, self.config, self.model, prompt_length=n
         )
+        _ask_for_routes(plan)
         return plan
 
     async def _continue_response(
@@ -558,6 +578,7 @@ class TurnService:
                     reply.message,
                     reply.finish_reason,
                     c.weight_versions,
+                    c.routed_experts,
                 )
                 for c, reply in replies
             ],
@@ -572,6 +593,7 @@ class TurnService:
         logprobs: list[list[float]] = [[] for _ in range(conversation.n)]
         finish: list[tuple[str, int | str | None] | None] = [None] * conversation.n
         versions: list[list[WeightSpan]] = [[] for _ in range(conversation.n)]
+        routes: list[np.ndarray | None] = [None] * conversation.n
         announced = False
         engine_stream = self.engine.stream(
             session_id,
@@ -601,6 +623,8 @@ class TurnService:
                         finish[i] = (event.finish_reason, event.stop_reason)
                     if event.weight_versions is not None:
                         versions[i] = event.weight_versions
+                    if event.routed_experts is not None:
+                        routes[i] = event.routed_experts
                 else:  # the engine's report of the prompt it received
                     self._check_proof(plan, event.prompt_ids)
         self.metrics.engine_seconds.observe(time.perf_counter() - started)
@@ -628,6 +652,7 @@ class TurnService:
                     reply.message,
                     reply.finish_reason,
                     versions[i],
+                    routes[i],
                 )
             )
         result = await self._record(plan, conversation, sampled, response_id=response_id)
@@ -692,6 +717,7 @@ class TurnService:
                     n_messages=plan.n_messages,
                     api=conversation.api,
                     weight_versions=s.weight_versions,
+                    routed_experts=_routes_of(plan, s),
                     extra={"splice_ms": round(plan.splice_seconds * 1000, 3)}
                     | ({"reply_key": reply_key} if reply_key else {})
                     | ({"volatile": plan.volatile} if plan.volatile else {}),
@@ -744,6 +770,29 @@ class _Sampled:
     message: Message
     api_finish: str
     weight_versions: list[WeightSpan]
+    routed_experts: np.ndarray | None = None
+
+
+def _ask_for_routes(plan: Plan) -> None:
+    if plan.session.routed_experts:
+        # vLLM then reports only the positions no earlier turn of the segment holds.
+        plan.sampling["routed_experts_prompt_start"] = plan.route_start
+
+
+def _routes_of(plan: Plan, sampled: _Sampled) -> RoutedExperts | None:
+    """The sampled choice's routes, if the session wants them and they cover exactly the
+    positions this turn adds (anything else would misalign them: not stored)."""
+    if not plan.session.routed_experts or sampled.routed_experts is None:
+        return None
+    expected = len(plan.prompt_ids) + len(sampled.token_ids) - 1 - plan.route_start
+    if sampled.routed_experts.shape[0] != expected:
+        logger.warning(
+            "engine routed_experts cover %d positions, the turn adds %d: not stored",
+            sampled.routed_experts.shape[0],
+            expected,
+        )
+        return None
+    return RoutedExperts(plan.route_start, sampled.routed_experts)
 
 
 def volatile_parts(conversation: Conversation, rules: list[re.Pattern[str]]) -> list[str]:

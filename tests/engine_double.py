@@ -13,9 +13,18 @@ Endpoints: `POST /inference/v1/generate` (stream and not), `POST /v1/completions
 prompt; for the client's fallback), `GET /health`, `GET /v1/models`, and with `dev_mode`
 (vLLM's `VLLM_SERVER_DEV_MODE=1`) `GET /weight_info` and `POST /update_weight_version`
 (`{"new_version": ...}`), which set the policy version reported in each choice's
-`weight_versions` (vLLM: `vllm/entrypoints/rl/online/api_router.py`). A double made with
-`generate_endpoint=False` answers the generate path with 404 like an engine started without
-`--enable-scale-out`.
+`weight_versions` (vLLM: `vllm/entrypoints/rl/online/api_router.py`).
+
+MoE routing replay: with `routed_experts = (layers, top_k)` the double answers like vLLM
+started with `--enable-return-routed-experts` (vLLM 0.32,
+`vllm/entrypoints/scale_out/token_in_token_out/protocol.py`): each finished choice carries
+`routed_experts`, base64 of `.npy` bytes of shape (prompt + completion - 1 -
+`sampling_params.routed_experts_prompt_start`, layers, top_k) — the positions from that start
+to the last token but one (the last sampled token is never forwarded). The double's expert
+ids are `double_expert(token at the position, layer, k)`, so a test can check alignment.
+
+A double made with `generate_endpoint=False` answers the generate path with 404 like an engine
+started without `--enable-scale-out`.
 
 Scripting: `double.script(ScriptedCompletion([...]))` queues completions; each generated
 choice pops one (n > 1 pops n). A callable `(prompt_ids, sampling) -> ScriptedCompletion` may
@@ -29,7 +38,9 @@ records every request in `double.requests`.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import io
 import json
 import secrets
 import socket
@@ -40,6 +51,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pytest
 import uvicorn
 from starlette.applications import Starlette
@@ -62,6 +74,8 @@ class ScriptedCompletion:
     logprobs: list[float] | None = None
     weight_versions: list[tuple[str, int, int]] | None = None
     """(version, start, end) spans to report; None: the double's current version throughout."""
+    routed_experts: str | None = None
+    """The wire value the double computed for this choice (set by the double)."""
 
     def logprob_values(self) -> list[float]:
         if self.logprobs is not None:
@@ -71,6 +85,28 @@ class ScriptedCompletion:
 
 def fake_logprob(token_id: int) -> float:
     return -round(0.05 + (token_id % 97) / 50, 6)
+
+
+DOUBLE_EXPERTS = 64
+
+
+def double_expert(token_id: int, layer: int, k: int) -> int:
+    """The expert the double routes `token_id` to in `layer`, choice `k` of top-k."""
+    return (token_id * 31 + layer * 7 + k) % DOUBLE_EXPERTS
+
+
+def _routes_wire(tokens: list[int], start: int, layers: int, top_k: int) -> str:
+    positions = tokens[start : len(tokens) - 1]
+    experts = np.array(
+        [
+            [[double_expert(t, layer, k) for k in range(top_k)] for layer in range(layers)]
+            for t in positions
+        ],
+        dtype=np.uint8,
+    ).reshape(len(positions), layers, top_k)
+    with io.BytesIO() as buffer:
+        np.save(buffer, experts, allow_pickle=False)
+        return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 Script = ScriptedCompletion | Callable[[list[int], dict[str, Any]], ScriptedCompletion]
@@ -149,6 +185,8 @@ class EngineDouble:
     healthy: bool = True
     dev_mode: bool = False
     weight_version: str = "default"
+    routed_experts: tuple[int, int] | None = None
+    """(layers, top_k): answer like an MoE engine with --enable-return-routed-experts."""
     chunk_delay_s: float = 0.0
     """Pause after each streamed chunk (to let a test act while a stream is running)."""
     streams_ended: int = 0
@@ -185,6 +223,7 @@ class EngineDouble:
             self.healthy = True
             self.dev_mode = False
             self.weight_version = "default"
+            self.routed_experts = None
             self.chunk_delay_s = 0.0
             self.streams_ended = 0
             self.generate_endpoint = True
@@ -420,6 +459,11 @@ class EngineDouble:
                     completion.logprobs,
                     [(self.weight_version, 0, len(completion.token_ids))],
                 )
+            if self.routed_experts is not None:
+                start = int(sampling.get("routed_experts_prompt_start") or 0)
+                completion.routed_experts = _routes_wire(
+                    [*prompt, *completion.token_ids], start, *self.routed_experts
+                )
             chosen.append(completion)
         return chosen
 
@@ -584,7 +628,7 @@ def _generate_choice(
         "finish_reason": completion.finish_reason if finished else None,
         "stop_reason": completion.stop_reason if finished else None,
         "token_ids": token_ids,
-        "routed_experts": None,
+        "routed_experts": completion.routed_experts if finished else None,
         "sampling_mask": None,
         "weight_versions": _weight_versions(completion) if finished else None,
         "logprobs": _generate_logprobs(token_ids, values) if want_logprobs else None,

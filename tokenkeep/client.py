@@ -56,9 +56,16 @@ def _create(
     sampling: dict[str, Any] | None,
     metadata: dict[str, Any] | None,
     ttl_seconds: int | None,
+    routed_experts: bool | None,
 ) -> _Call:
     body = _without_none(
-        {"id": id, "sampling": sampling, "metadata": metadata, "ttl_seconds": ttl_seconds}
+        {
+            "id": id,
+            "sampling": sampling,
+            "metadata": metadata,
+            "ttl_seconds": ttl_seconds,
+            "routed_experts": routed_experts,
+        }
     )
     return _Call("POST", "/sessions", json=body)
 
@@ -172,10 +179,13 @@ class Client:
         sampling: dict[str, Any] | None = None,
         metadata: dict[str, Any] | None = None,
         ttl_seconds: int | None = None,
+        routed_experts: bool | None = None,
     ) -> SessionInfo:
         """A new session. `sampling` overrides what the harness sends (vLLM parameter
-        names); `metadata` is what `list_finished`/`export` selectors match."""
-        return SessionInfo.from_json(self._send(_create(id, sampling, metadata, ttl_seconds)))
+        names); `metadata` is what `list_finished`/`export` selectors match;
+        `routed_experts` turns MoE routing replay on or off (default: the server's)."""
+        call = _create(id, sampling, metadata, ttl_seconds, routed_experts)
+        return SessionInfo.from_json(self._send(call))
 
     def finish(
         self,
@@ -283,8 +293,10 @@ class AsyncClient:
         sampling: dict[str, Any] | None = None,
         metadata: dict[str, Any] | None = None,
         ttl_seconds: int | None = None,
+        routed_experts: bool | None = None,
     ) -> SessionInfo:
-        return SessionInfo.from_json(await self._send(_create(id, sampling, metadata, ttl_seconds)))
+        call = _create(id, sampling, metadata, ttl_seconds, routed_experts)
+        return SessionInfo.from_json(await self._send(call))
 
     async def finish(
         self,

@@ -3,7 +3,9 @@
 Parquet needs `pyarrow` (`pip install 'tokenkeep[parquet]'`). Its columns are the row's fields;
 token data are list columns (`token_ids` int32, `loss_mask` int8, `logprobs` float32 with nulls
 on context tokens, `weight_versions` a list of {version, start, end}), `metadata` and
-`finish_metadata` are JSON text (their keys differ from session to session).
+`finish_metadata` are JSON text (their keys differ from session to session), `routed_experts`
+the `.npy` bytes of the (T - 1, layers, top_k) routes (null without routing replay; JSONL
+keeps the server's base64 of them).
 
 A file is written beside its destination and moved into place only when complete, so a
 failed export never leaves a partial file under the destination name.
@@ -11,6 +13,7 @@ failed export never leaves a partial file under the destination name.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import json
 import os
@@ -20,7 +23,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import IO, Any, Literal
 
-from tokenkeep.types import Row
+from tokenkeep.types import Row, npy_bytes
 
 Format = Literal["parquet", "jsonl"]
 ROWS_PER_BATCH = 256
@@ -62,6 +65,7 @@ def _schema(pa: Any) -> Any:
             ("finished_at", pa.float64()),
             ("metadata", pa.string()),
             ("finish_metadata", pa.string()),
+            ("routed_experts", pa.binary()),
         ]
     )
 
@@ -72,9 +76,20 @@ def _columns(rows: list[Row]) -> dict[str, list[Any]]:
         data = asdict(row)
         data["metadata"] = json.dumps(row.metadata, separators=(",", ":"))
         data["finish_metadata"] = json.dumps(row.finish_metadata, separators=(",", ":"))
+        routes = row.routed_experts
+        data["routed_experts"] = None if routes is None else npy_bytes(routes)
         for name, value in data.items():
             columns.setdefault(name, []).append(value)
     return columns
+
+
+def _json_row(row: Row) -> dict[str, Any]:
+    data = asdict(row)
+    routes = row.routed_experts
+    data["routed_experts"] = (
+        None if routes is None else base64.b64encode(npy_bytes(routes)).decode()
+    )
+    return data
 
 
 def _batches(rows: Iterable[Row]) -> Iterator[list[Row]]:
@@ -127,7 +142,7 @@ def write(
                 _write_parquet(counted(), out)
             else:
                 for row in counted():
-                    out.write(json.dumps(asdict(row), separators=(",", ":")).encode() + b"\n")
+                    out.write(json.dumps(_json_row(row), separators=(",", ":")).encode() + b"\n")
             out.flush()
             os.fsync(out.fileno())
         os.replace(temp, path)

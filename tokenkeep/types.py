@@ -6,6 +6,8 @@ these classes only give them names and types, and turn token data into NumPy arr
 
 from __future__ import annotations
 
+import base64
+import io
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +26,20 @@ class WeightSpan:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> WeightSpan:
         return cls(str(data["version"]), int(data["start"]), int(data["end"]))
+
+
+def decode_routes(encoded: str | None) -> np.ndarray | None:
+    """The wire form of MoE routes (base64 of `.npy` bytes, as vLLM sends them) as an array
+    (positions, layers, top_k)."""
+    if encoded is None:
+        return None
+    return np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
+
+
+def npy_bytes(array: np.ndarray) -> bytes:
+    with io.BytesIO() as buffer:
+        np.save(buffer, array, allow_pickle=False)
+        return buffer.getvalue()
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,13 +98,23 @@ class SegmentArrays:
     """int8 [T]: 1 where the token was sampled (and is not stale), 0 for context."""
     logprobs: np.ndarray
     """float32 [T]: the sampled token's logprob under the rollout policy; NaN for context."""
+    routed_experts: np.ndarray | None = None
+    """[T - 1, layers, top_k]: the experts each position was routed to in the rollout (MoE
+    routing replay; the last token was never forwarded). None unless the session stores
+    routes."""
 
 
-def _arrays(token_ids: Sequence[int], loss_mask: Sequence[int], logprobs: Sequence[Any]):
+def _arrays(
+    token_ids: Sequence[int],
+    loss_mask: Sequence[int],
+    logprobs: Sequence[Any],
+    routed_experts: np.ndarray | None,
+) -> SegmentArrays:
     return SegmentArrays(
         np.asarray(token_ids, dtype=np.int64),
         np.asarray(loss_mask, dtype=np.int8),
         np.array([np.nan if lp is None else lp for lp in logprobs], dtype=np.float32),
+        routed_experts,
     )
 
 
@@ -107,6 +133,8 @@ class Segment:
     mixed_versions: bool
     turns: list[dict[str, Any]]
     stale_tokens: int = 0
+    routed_experts: np.ndarray | None = None
+    """[T - 1, layers, top_k] (see SegmentArrays), or None."""
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Segment:
@@ -121,10 +149,11 @@ class Segment:
             mixed_versions=bool(data.get("mixed_versions")),
             turns=data.get("turns", []),
             stale_tokens=data.get("stale_tokens", 0),
+            routed_experts=decode_routes(data.get("routed_experts")),
         )
 
     def arrays(self) -> SegmentArrays:
-        return _arrays(self.token_ids, self.loss_mask, self.logprobs)
+        return _arrays(self.token_ids, self.loss_mask, self.logprobs, self.routed_experts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +201,8 @@ class Row:
     metadata: dict[str, Any]
     finish_metadata: dict[str, Any]
     leaf_turn_id: int = 0
+    routed_experts: np.ndarray | None = None
+    """[T - 1, layers, top_k] (see SegmentArrays), or None."""
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Row:
@@ -192,10 +223,11 @@ class Row:
             metadata=data["metadata"],
             finish_metadata=data["finish_metadata"],
             leaf_turn_id=data["leaf_turn_id"],
+            routed_experts=decode_routes(data.get("routed_experts")),
         )
 
     def arrays(self) -> SegmentArrays:
-        return _arrays(self.token_ids, self.loss_mask, self.logprobs)
+        return _arrays(self.token_ids, self.loss_mask, self.logprobs, self.routed_experts)
 
 
 @dataclass(frozen=True, slots=True)

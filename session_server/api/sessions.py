@@ -31,6 +31,9 @@ class CreateSession(BaseModel):
     normalization: list[dict[str, Any]] | None = None
     """Volatile-prompt rules: [{"pattern": regex}]; matches are ignored when comparing
     history. Off by default: see docs/harnesses.md for the trade-off."""
+    routed_experts: bool | None = None
+    """MoE routing replay: store each turn's expert routes (default: the server's
+    --routed-experts setting). The engine needs --enable-return-routed-experts."""
 
 
 def _urls(request: Request, session_id: str) -> dict[str, str]:
@@ -55,6 +58,7 @@ async def create_session(request: Request, body: CreateSession | None = None) ->
         sampling_overrides=body.sampling,
         metadata=body.metadata,
         normalization=body.normalization,
+        routed_experts=body.routed_experts,
     )
     return {
         "id": meta.session_id,
@@ -62,6 +66,7 @@ async def create_session(request: Request, body: CreateSession | None = None) ->
         "ttl_seconds": meta.ttl_seconds,
         "sampling": meta.sampling_overrides,
         "metadata": meta.metadata,
+        "routed_experts": meta.routed_experts,
         **_urls(request, meta.session_id),
     }
 
@@ -217,6 +222,7 @@ async def get_session(session_id: str, request: Request) -> dict[str, Any]:
         "ttl_seconds": meta.ttl_seconds,
         "sampling": meta.sampling_overrides,
         "metadata": meta.metadata,
+        "routed_experts": meta.routed_experts,
         "finish": _finish_json(finish),
         **export.summary(session_id, turns),
         "engine_weight_versions": service.engine_versions(),

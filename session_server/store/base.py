@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+
 
 @dataclass(slots=True)
 class TurnRecord:
@@ -58,6 +60,9 @@ class TurnRecord:
     """Which policy version sampled which completion tokens, as the engine reported it
     (vLLM's per-choice `weight_versions`), in completion coordinates; [] if it reported
     none (an older engine, the /v1/completions fallback)."""
+    routed_experts: RoutedExperts | None = None
+    """MoE routing replay (sessions that ask for it): the experts of the positions this turn
+    forwarded first."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -78,6 +83,8 @@ class SessionMeta:
     metadata: dict[str, Any] = field(default_factory=dict)
     normalization: list[dict[str, Any]] = field(default_factory=list)
     """Volatile-prompt rules (see session_server.conversation); empty = off."""
+    routed_experts: bool = False
+    """MoE routing replay: ask the engine for each turn's expert routes and store them."""
 
 
 def new_incarnation() -> str:
@@ -146,6 +153,30 @@ class SessionCounters:
     """Turns per `break_reason` (turns without one are not counted)."""
     tokens: int
     """Tokens stored: the sum of len(prompt_delta) + len(completion_ids) over all turns."""
+
+
+@dataclass(slots=True, eq=False)
+class RoutedExperts:
+    """The experts an MoE engine routed positions [start, start + len(experts)) of the turn's
+    segment to, `experts[i, layer, k]`. A turn holds the positions its own request forwarded
+    first: from its parent's last sampled token (the parent's request sampled it but never
+    forwarded it) to its own last token but one; a segment's first turn starts at 0."""
+
+    start: int
+    experts: np.ndarray
+    """(positions, layers, top_k), unsigned integers."""
+
+    @property
+    def end(self) -> int:
+        return self.start + int(self.experts.shape[0])
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, RoutedExperts)
+            and self.start == other.start
+            and self.experts.shape == other.experts.shape
+            and bool(np.array_equal(self.experts, other.experts))
+        )
 
 
 @dataclass(slots=True)

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from session_server.store.base import TurnRecord, WeightSpan
+from session_server.store.base import RoutedExperts, TurnRecord, WeightSpan
 from session_server.store.codec import (
     HEADER_SIZE,
     CorruptRecord,
@@ -41,6 +41,20 @@ def weight_spans(draw: st.DrawFn, n_completion: int) -> list[WeightSpan]:
 
 
 @st.composite
+def routes(draw: st.DrawFn) -> RoutedExperts | None:
+    if draw(st.booleans()):
+        return None
+    shape = (draw(st.integers(0, 20)), draw(st.integers(1, 4)), draw(st.integers(1, 3)))
+    top = draw(st.sampled_from([255, 256, 70000]))
+    values = draw(
+        st.lists(st.integers(0, top), min_size=int(np.prod(shape)), max_size=int(np.prod(shape)))
+    )
+    return RoutedExperts(
+        draw(st.integers(0, 2**31)), np.array(values, dtype=np.int64).reshape(shape)
+    )
+
+
+@st.composite
 def records(draw: st.DrawFn) -> TurnRecord:
     completion = draw(token_ids)
     return TurnRecord(
@@ -59,6 +73,7 @@ def records(draw: st.DrawFn) -> TurnRecord:
         api=draw(st.sampled_from(["chat", "responses", "messages", "completions"]) | st.text()),
         extra=draw(st.dictionaries(st.text(max_size=8), json_values, max_size=4)),
         weight_versions=draw(weight_spans(len(completion))),
+        routed_experts=draw(routes()),
     )
 
 
@@ -172,3 +187,14 @@ def test_rejects_bad_weight_spans(spans: list[WeightSpan]) -> None:
     record.weight_versions = spans
     with pytest.raises(ValueError, match="weight_versions"):
         encode_turn(record)
+
+
+def test_routes_cost_layers_times_top_k_bytes_per_position() -> None:
+    record = TurnRecord(0, None, True, "first", None, [1, 2], [3, 4, 5], [-1.0] * 3, "stop")
+    plain = len(encode_turn(record))
+    experts = np.arange(4 * 48 * 8).reshape(4, 48, 8) % 128  # 48 layers, top-8 of 128
+    record.routed_experts = RoutedExperts(0, experts)
+    assert len(encode_turn(record)) - plain == 13 + 4 * 48 * 8
+    decoded = decode_turn(1, encode_turn(record)).routed_experts
+    assert decoded == record.routed_experts and decoded is not None
+    assert decoded.experts.dtype == np.uint8
