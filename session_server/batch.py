@@ -93,13 +93,11 @@ async def named(store: SessionStore, session_ids: list[str]) -> list[Selected]:
     """The named sessions; every one must exist and be finished."""
     out: list[Selected] = []
     for session_id in dict.fromkeys(session_ids):
-        meta = await store.get_session(session_id)
-        finish = None
-        if meta is not None:
-            try:
-                finish = await store.get_finish(session_id)
-            except SessionNotFound:
-                meta = None
+        try:
+            finish = await store.get_finish(session_id)
+            meta = await store.get_session(session_id)
+        except SessionNotFound:
+            meta = None
         if meta is None:
             raise BatchError(404, f"session {session_id!r} not found", "session_ids")
         if finish is None:

@@ -252,17 +252,8 @@ class RedisStore:
 
     async def get_finish(self, session_id: str) -> Finish | None:
         meta_key = self.session_keys(session_id)[0]
-        exists, packed = await self._read_fields(meta_key, "fin")
-        if not exists:
-            raise SessionNotFound(session_id)
+        packed = await self._read(session_id, meta_key, "HGET", "fin")
         return None if packed is None else decode_finish(packed)
-
-    async def _read_fields(self, meta_key: str, *fields: str) -> list[Any]:
-        async with self._redis.pipeline(transaction=True) as pipe:
-            pipe.exists(meta_key)
-            pipe.hmget(meta_key, *fields)
-            exists, values = await pipe.execute()
-        return [exists, *values]
 
     async def list_finished(
         self, *, since: float | None = None, until: float | None = None, limit: int = 1000
