@@ -68,6 +68,7 @@ def build_service(
         max_text_chars=context * longest_token,
         create_on_first_use=settings.create_sessions_on_first_use,
         default_ttl_seconds=settings.session_ttl_seconds,
+        routed_experts=settings.routed_experts,
         sampling_overrides=settings.sampling_overrides,
         generation_defaults=generation_defaults(settings.tokenizer) if settings.tokenizer else {},
     )

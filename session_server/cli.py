@@ -1,4 +1,4 @@
-"""`tokenkeep` command line: serve, check, engine, demo, operator, sessions."""
+"""`tokenkeep` command line: serve, check, engine, demo, operator, sessions, export."""
 
 from __future__ import annotations
 
@@ -83,6 +83,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         help="largest request body; larger get 413 (TOKENKEEP_MAX_BODY_BYTES, default 8 MiB)",
     )
+    p.add_argument(
+        "--routed-experts",
+        action="store_true",
+        default=None,
+        help="store MoE expert routes of every session by default; the engine needs "
+        "--enable-return-routed-experts (TOKENKEEP_ROUTED_EXPERTS)",
+    )
     p.add_argument("--log-level", default=env("TOKENKEEP_LOG_LEVEL", "info"))
 
 
@@ -157,6 +164,7 @@ _DELEGATED = {
     "demo": ("session_server.demo", "run the whole stack locally and drive a session"),
     "sessions": ("session_server.sessions_cli", "list a running server's sessions, show one"),
     "check": ("session_server.check", "will this model's rollouts stay token-exact? (pre-flight)"),
+    "export": ("tokenkeep.cli", "write finished rollouts to a Parquet or JSONL file"),
 }
 
 

@@ -5,7 +5,12 @@ Wire protocol (vLLM 0.32, `--enable-scale-out`): `POST /inference/v1/generate` w
 "model": ..., "request_id": ...}`. The answer carries per choice `token_ids`, `finish_reason`,
 `stop_reason` and, with `sampling_params.logprobs = 0`, the sampled token's logprob at
 `choices[i].logprobs.content[j].logprob`; `prompt_token_ids` at the top (streaming: in the
-first chunk only). Streaming sends one SSE `data:` chunk per engine step and choice, ends with
+first chunk only); per choice `weight_versions: [{"version", "start", "end"}]`, the policy
+version that sampled each span of the completion (streaming: in the choice's last chunk);
+with `--enable-return-routed-experts`, per finished choice `routed_experts`: base64 of `.npy`
+bytes, (positions, layers, top_k), from `sampling_params.routed_experts_prompt_start` to the
+last token but one.
+Streaming sends one SSE `data:` chunk per engine step and choice, ends with
 `data: [DONE]`, and reports a failure after the 200 as a `data: {"error": {...}}` line.
 Engines without the endpoint get the same request as `/v1/completions` on a token-ID prompt.
 
@@ -19,25 +24,33 @@ more round the list; the same prompt, so the turn is stored once, by whichever a
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import contextlib
 import hashlib
+import io
 import logging
 import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 import httpx
+import numpy as np
 import orjson
+
+from session_server.store.base import WeightSpan
 
 logger = logging.getLogger(__name__)
 
 GENERATE_PATH = "/inference/v1/generate"
 COMPLETIONS_PATH = "/v1/completions"
 HEALTH_PATH = "/health"
+# vLLM answers it in dev mode (VLLM_SERVER_DEV_MODE=1): {"weight_version": "..."}.
+WEIGHT_INFO_PATH = "/weight_info"
 # vLLM reads this header for session-aware scheduling; it costs nothing to send.
 SESSION_HEADER = "X-Session-ID"
 
@@ -49,6 +62,8 @@ class EngineChoice:
     logprobs: list[float]
     finish_reason: str
     stop_reason: int | str | None
+    weight_versions: list[WeightSpan] = field(default_factory=list)
+    routed_experts: np.ndarray | None = None
 
 
 @dataclass(slots=True)
@@ -75,6 +90,10 @@ class GenerationDelta:
     logprobs: list[float]
     finish_reason: str | None
     stop_reason: int | str | None
+    weight_versions: list[WeightSpan] | None = None
+    """The whole completion's spans (vLLM sends them with the choice's last chunk)."""
+    routed_experts: np.ndarray | None = None
+    """(positions, layers, top_k), in the choice's last chunk (MoE routing replay)."""
 
 
 StreamEvent = StreamStart | GenerationDelta
@@ -126,6 +145,11 @@ class Replica:
     failures: int = 0
     """Requests in a row that could not reach it (reset by any answer)."""
     inflight: int = 0
+    weight_version: str | None = None
+    """The policy version the replica serves: from `GET /weight_info` where the engine
+    answers it, else the version that sampled the last tokens it returned."""
+    weight_info: bool = True
+    """False once the replica answered `GET /weight_info` with an error (not in dev mode)."""
 
 
 # A replica is marked down by its health check, or after this many requests in a row could not
@@ -303,6 +327,29 @@ class EngineClient:
         replica.healthy = healthy
         if healthy:
             replica.failures = 0
+        if healthy and replica.weight_info:
+            await self._check_weight_version(replica)
+
+    async def _check_weight_version(self, replica: Replica) -> None:
+        try:
+            response = await self._http.get(
+                replica.url + WEIGHT_INFO_PATH, timeout=self._health_timeout
+            )
+        except httpx.HTTPError:
+            return
+        version = None
+        if response.status_code == 200:
+            with contextlib.suppress(ValueError, AttributeError):
+                version = response.json().get("weight_version")
+        if version is None:
+            replica.weight_info = False
+            return
+        replica.weight_version = str(version)
+
+    @staticmethod
+    def _observe_version(replica: Replica, spans: list[WeightSpan] | None) -> None:
+        if spans:
+            replica.weight_version = spans[-1].version
 
     async def discover(self) -> None:
         """With discovery on, every address a configured host name resolves to is one
@@ -396,6 +443,8 @@ class EngineClient:
                 replica.inflight -= 1
             replica.failures = 0
             generation.latency_s = time.perf_counter() - started
+            for choice in generation.choices:
+                self._observe_version(replica, choice.weight_versions)
             return generation
         assert last_error is not None
         raise last_error
@@ -445,6 +494,7 @@ class EngineClient:
                     started = True
                     yield StreamStart(replica.url, prompt_ids_seen)
                 for delta in deltas:
+                    self._observe_version(replica, delta.weight_versions)
                     yield delta
         except _Retryable as failure:
             if started:
@@ -624,6 +674,25 @@ def _completions_logprobs(choice: dict[str, Any]) -> list[float]:
     return [lp if lp is not None else float("nan") for lp in logprobs.get("token_logprobs") or ()]
 
 
+def _weight_spans(choice: dict[str, Any]) -> list[WeightSpan] | None:
+    spans = choice.get("weight_versions")
+    if not spans:
+        return None
+    return [WeightSpan(str(s["version"]), int(s["start"]), int(s["end"])) for s in spans]
+
+
+def _routes(choice: dict[str, Any]) -> np.ndarray | None:
+    encoded = choice.get("routed_experts")
+    if not encoded:
+        return None
+    try:
+        experts = np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
+    except (ValueError, binascii.Error, OSError):
+        logger.warning("engine sent routed_experts that are not base64 .npy; ignored")
+        return None
+    return experts if experts.ndim == 3 else None
+
+
 def _parse_generate(payload: dict[str, Any], url: str) -> Generation:
     choices = [
         EngineChoice(
@@ -632,6 +701,8 @@ def _parse_generate(payload: dict[str, Any], url: str) -> Generation:
             logprobs=_generate_logprobs(c),
             finish_reason=c.get("finish_reason") or "stop",
             stop_reason=c.get("stop_reason"),
+            weight_versions=_weight_spans(c) or [],
+            routed_experts=_routes(c),
         )
         for c in payload.get("choices", ())
     ]
@@ -666,6 +737,8 @@ def _deltas_from_generate_chunk(
             logprobs=_generate_logprobs(c),
             finish_reason=c.get("finish_reason"),
             stop_reason=c.get("stop_reason"),
+            weight_versions=_weight_spans(c),
+            routed_experts=_routes(c),
         )
         for c in chunk.get("choices", ())
     ]

@@ -398,8 +398,12 @@ class LocalEngine:
         self.stop()
 
 
-def _engine_env(kv_cache_gib: int, threads: int) -> dict[str, str]:
+def _engine_env(kv_cache_gib: int, threads: int, dev_mode: bool = False) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "CUDA_"))}
+    if dev_mode:
+        # vLLM's development endpoints, among them POST /update_weight_version and
+        # GET /weight_info (policy versions); never on an engine others can reach.
+        env["VLLM_SERVER_DEV_MODE"] = "1"
     env.update(
         VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),
         OMP_NUM_THREADS=str(threads),
@@ -422,11 +426,13 @@ def start(
     kv_cache_gib: int = 1,
     threads: int = 2,
     extra_args: Sequence[str] = (),
+    dev_mode: bool = False,
     timeout_s: float = 600.0,
     progress: Progress = _print_progress,
 ) -> LocalEngine:
     """Start vLLM on the CPU (token endpoints on) and wait until `/health` answers. `model` is
-    a name from MODELS (built on first use) or a model directory."""
+    a name from MODELS (built on first use) or a model directory. `dev_mode` sets
+    VLLM_SERVER_DEV_MODE=1 (the engine binds 127.0.0.1 only)."""
     if isinstance(model, Path):
         model_path, served_model_name = model, served_model_name or model.name
     else:
@@ -469,7 +475,7 @@ def start(
             stdout=log_file,
             stderr=subprocess.STDOUT,
             cwd=engine_dir(),
-            env=_engine_env(kv_cache_gib, threads),
+            env=_engine_env(kv_cache_gib, threads, dev_mode),
             start_new_session=True,
         )
     finally:

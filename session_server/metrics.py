@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -10,6 +14,7 @@ _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
+        self._versions: Callable[[], dict[str, str | None]] | None = None
         r = self.registry
         self.requests = Counter(
             "tokenkeep_requests", "HTTP requests by API and status.", ["api", "status"], registry=r
@@ -23,6 +28,13 @@ class Metrics:
         )
         self.turns = Counter(
             "tokenkeep_turns", "Stored turns by classification.", ["kind"], registry=r
+        )
+        self.turns_by_weight_version = Counter(
+            "tokenkeep_turns_by_weight_version",
+            "Stored turns by the policy version that sampled them (a turn sampled across a "
+            "weight update counts once for each version).",
+            ["version"],
+            registry=r,
         )
         self.segment_breaks = Counter(
             "tokenkeep_segment_breaks",
@@ -77,3 +89,26 @@ class Metrics:
             registry=r,
         )
         self.check_contiguous.set(-1)
+
+    def watch_weight_versions(self, versions: Callable[[], dict[str, str | None]]) -> None:
+        """Report `versions()` (replica URL -> the policy version it serves) at each scrape."""
+        if self._versions is None:
+            self.registry.register(_WeightVersions(self))
+        self._versions = versions
+
+
+class _WeightVersions(Collector):
+    def __init__(self, metrics: Metrics) -> None:
+        self._metrics = metrics
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        family = GaugeMetricFamily(
+            "tokenkeep_engine_weight_version",
+            "1 for the policy version each engine replica serves (as last read from it).",
+            labels=["replica", "version"],
+        )
+        versions = self._metrics._versions
+        for replica, version in (versions() if versions else {}).items():
+            if version is not None:
+                family.add_metric([replica, version], 1)
+        yield family

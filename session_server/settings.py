@@ -50,6 +50,9 @@ class Settings(BaseSettings):
     """Max model length; default: asked from the engine, else the tokenizer's."""
     session_ttl_seconds: int | None = 86400
     create_sessions_on_first_use: bool = True
+    routed_experts: bool = False
+    """MoE routing replay for every session that does not say otherwise
+    (TOKENKEEP_ROUTED_EXPERTS; the engine needs --enable-return-routed-experts)."""
     sampling_overrides: dict[str, Any] = Field(default_factory=dict)
     """Server-wide sampling overrides (JSON), below a session's own."""
     admin_key: str | None = Field(

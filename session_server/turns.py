@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import itertools
+import logging
 import math
 import time
 import uuid
@@ -30,6 +31,8 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from session_server.conversation import (
     MAX_RULE_MATCHES,
@@ -44,6 +47,7 @@ from session_server.conversation import (
     validate,
 )
 from session_server.engines import EngineClient, GenerationDelta
+from session_server.export import turns_by_version
 from session_server.metrics import Metrics
 from session_server.results import (
     ChoiceDelta,
@@ -59,15 +63,18 @@ from session_server.splice import BRIDGE_CONTEXT_TOKENS, ChatModel
 from session_server.store.base import (
     LookupResult,
     RecordCache,
+    RoutedExperts,
     SessionExists,
     SessionMeta,
     SessionNotFound,
     SessionStore,
     TurnRecord,
+    WeightSpan,
 )
 from session_server.streaming import ReplyStreamer
 
 RESPONSE_KEY_PREFIX = "resp:"
+logger = logging.getLogger(__name__)
 
 
 class SessionMissing(LookupError):
@@ -97,6 +104,15 @@ class Plan:
     volatile: list[str] = field(default_factory=list)
     """Text the session's normalisation rules ignored in this request (recorded)."""
 
+    @property
+    def route_start(self) -> int:
+        """The first segment position whose experts this turn's request reports: its
+        parent's last sampled token, which no earlier request forwarded (0 for a segment's
+        first turn)."""
+        if self.segment_start:
+            return 0
+        return len(self.prompt_ids) - len(self.prompt_delta) - 1
+
 
 @dataclass(slots=True)
 class ServiceConfig:
@@ -106,6 +122,8 @@ class ServiceConfig:
     """Message text longer than this cannot fit the context (refused before tokenizing)."""
     create_on_first_use: bool = True
     default_ttl_seconds: int | None = 86400
+    routed_experts: bool = False
+    """Sessions store MoE routes unless created saying otherwise."""
     sampling_overrides: dict[str, Any] = field(default_factory=dict)
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     max_sessions_cached: int = 4096
@@ -125,6 +143,7 @@ class TurnService:
         self.model = model
         self.config = config
         self.metrics = metrics
+        metrics.watch_weight_versions(self.engine_versions)
         # Session metadata never changes after creation, so it is cached to save a round
         # trip per request; a deleted session still fails at append time.
         self._sessions: dict[str, SessionMeta] = {}
@@ -133,6 +152,10 @@ class TurnService:
         # checks the session's incarnation, so a deleted and re-created id is never served
         # from an old cache.
         self._records: OrderedDict[str, RecordCache] = OrderedDict()
+
+    def engine_versions(self) -> dict[str, str | None]:
+        """Replica URL -> the policy version it serves (None: not known yet)."""
+        return {replica.url: replica.weight_version for replica in self.engine.replicas}
 
     # --- sessions -------------------------------------------------------------------
 
@@ -158,6 +181,7 @@ class TurnService:
         normalization: list[dict[str, Any]] | None = None,
         return_token_ids: bool | None = None,
         key_hash: str = "",
+        routed_experts: bool | None = None,
     ) -> SessionMeta:
         if normalization:
             compile_rules(normalization)  # reject bad patterns before anything is stored
@@ -170,6 +194,7 @@ class TurnService:
             normalization=list(normalization or []),
             return_token_ids=return_token_ids,
             key_hash=key_hash,
+            routed_experts=self.config.routed_experts if routed_experts is None else routed_experts,
         )
         try:
             created = await self.store.create_session(meta)
@@ -270,6 +295,7 @@ class TurnService:
             self.model,
             prompt_length=len(plan.prompt_ids),
         )
+        _ask_for_routes(plan)
         return plan
 
     async def plan_tokens(
@@ -351,6 +377,7 @@ class TurnService:
         plan.sampling = build_sampling(
             conversation, meta.sampling_overrides, self.config, self.model, prompt_length=n
         )
+        _ask_for_routes(plan)
         return plan
 
     async def _continue_response(
@@ -575,6 +602,8 @@ class TurnService:
                     c.stop_reason,
                     reply.message,
                     reply.finish_reason,
+                    c.weight_versions,
+                    c.routed_experts,
                 )
                 for c, reply in replies
             ],
@@ -588,6 +617,8 @@ class TurnService:
         tokens: list[list[int]] = [[] for _ in range(conversation.n)]
         logprobs: list[list[float]] = [[] for _ in range(conversation.n)]
         finish: list[tuple[str, int | str | None] | None] = [None] * conversation.n
+        versions: list[list[WeightSpan]] = [[] for _ in range(conversation.n)]
+        routes: list[np.ndarray | None] = [None] * conversation.n
         announced = False
         engine_stream = self.engine.stream(
             session_id,
@@ -615,6 +646,10 @@ class TurnService:
                         )
                     if event.finish_reason is not None:
                         finish[i] = (event.finish_reason, event.stop_reason)
+                    if event.weight_versions is not None:
+                        versions[i] = event.weight_versions
+                    if event.routed_experts is not None:
+                        routes[i] = event.routed_experts
                 else:  # the engine's report of the prompt it received
                     self._check_proof(plan, event.prompt_ids)
         self.metrics.engine_seconds.observe(time.perf_counter() - started)
@@ -641,6 +676,8 @@ class TurnService:
                     stop_reason,
                     reply.message,
                     reply.finish_reason,
+                    versions[i],
+                    routes[i],
                 )
             )
         result = await self._record(plan, conversation, sampled, response_id=response_id)
@@ -705,6 +742,8 @@ class TurnService:
                     stop_reason=s.stop_reason,
                     n_messages=plan.n_messages,
                     api=conversation.api,
+                    weight_versions=s.weight_versions,
+                    routed_experts=_routes_of(plan, s),
                     extra={"splice_ms": round(plan.splice_seconds * 1000, 3)}
                     | ({"reply_key": reply_key} if reply_key else {})
                     | ({"volatile": plan.volatile} if plan.volatile else {}),
@@ -716,6 +755,8 @@ class TurnService:
             self._sessions.pop(plan.session.session_id, None)
             raise
         self.metrics.turns.labels(kind=plan.kind).inc(len(records))
+        for version, count in turns_by_version(records).items():
+            self.metrics.turns_by_weight_version.labels(version=version).inc(count)
         if plan.volatile:
             self.metrics.normalized_requests.inc()
         if plan.break_reason and plan.kind in ("rewrite",):
@@ -755,6 +796,30 @@ class _Sampled:
     stop_reason: int | str | None
     message: Message
     api_finish: str
+    weight_versions: list[WeightSpan]
+    routed_experts: np.ndarray | None = None
+
+
+def _ask_for_routes(plan: Plan) -> None:
+    if plan.session.routed_experts:
+        # vLLM then reports only the positions no earlier turn of the segment holds.
+        plan.sampling["routed_experts_prompt_start"] = plan.route_start
+
+
+def _routes_of(plan: Plan, sampled: _Sampled) -> RoutedExperts | None:
+    """The sampled choice's routes, if the session wants them and they cover exactly the
+    positions this turn adds (anything else would misalign them: not stored)."""
+    if not plan.session.routed_experts or sampled.routed_experts is None:
+        return None
+    expected = len(plan.prompt_ids) + len(sampled.token_ids) - 1 - plan.route_start
+    if sampled.routed_experts.shape[0] != expected:
+        logger.warning(
+            "engine routed_experts cover %d positions, the turn adds %d: not stored",
+            sampled.routed_experts.shape[0],
+            expected,
+        )
+        return None
+    return RoutedExperts(plan.route_start, sampled.routed_experts)
 
 
 def return_token_ids(conversation: Conversation, session: SessionMeta) -> bool:

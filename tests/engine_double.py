@@ -10,9 +10,21 @@ covers the real behaviour; this double is checked against transcripts recorded f
 engine's.
 
 Endpoints: `POST /inference/v1/generate` (stream and not), `POST /v1/completions` (token-ID
-prompt; for the client's fallback), `GET /health`, `GET /v1/models`. A double made with
-`generate_endpoint=False` answers the generate path with 404 like an engine started without
-`--enable-scale-out`.
+prompt; for the client's fallback), `GET /health`, `GET /v1/models`, and with `dev_mode`
+(vLLM's `VLLM_SERVER_DEV_MODE=1`) `GET /weight_info` and `POST /update_weight_version`
+(`{"new_version": ...}`), which set the policy version reported in each choice's
+`weight_versions` (vLLM: `vllm/entrypoints/rl/online/api_router.py`).
+
+MoE routing replay: with `routed_experts = (layers, top_k)` the double answers like vLLM
+started with `--enable-return-routed-experts` (vLLM 0.32,
+`vllm/entrypoints/scale_out/token_in_token_out/protocol.py`): each finished choice carries
+`routed_experts`, base64 of `.npy` bytes of shape (prompt + completion - 1 -
+`sampling_params.routed_experts_prompt_start`, layers, top_k) — the positions from that start
+to the last token but one (the last sampled token is never forwarded). The double's expert
+ids are `double_expert(token at the position, layer, k)`, so a test can check alignment.
+
+A double made with `generate_endpoint=False` answers the generate path with 404 like an engine
+started without `--enable-scale-out`.
 
 Scripting: `double.script(ScriptedCompletion([...]))` queues completions; each generated
 choice pops one (n > 1 pops n). A callable `(prompt_ids, sampling) -> ScriptedCompletion` may
@@ -30,7 +42,9 @@ tokenizer or request handling changed the prompt would.
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
+import io
 import json
 import secrets
 import socket
@@ -41,6 +55,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pytest
 import uvicorn
 from starlette.applications import Starlette
@@ -61,6 +76,10 @@ class ScriptedCompletion:
     finish_reason: str = "stop"
     stop_reason: int | str | None = None
     logprobs: list[float] | None = None
+    weight_versions: list[tuple[str, int, int]] | None = None
+    """(version, start, end) spans to report; None: the double's current version throughout."""
+    routed_experts: str | None = None
+    """The wire value the double computed for this choice (set by the double)."""
 
     def logprob_values(self) -> list[float]:
         if self.logprobs is not None:
@@ -70,6 +89,28 @@ class ScriptedCompletion:
 
 def fake_logprob(token_id: int) -> float:
     return -round(0.05 + (token_id % 97) / 50, 6)
+
+
+DOUBLE_EXPERTS = 64
+
+
+def double_expert(token_id: int, layer: int, k: int) -> int:
+    """The expert the double routes `token_id` to in `layer`, choice `k` of top-k."""
+    return (token_id * 31 + layer * 7 + k) % DOUBLE_EXPERTS
+
+
+def _routes_wire(tokens: list[int], start: int, layers: int, top_k: int) -> str:
+    positions = tokens[start : len(tokens) - 1]
+    experts = np.array(
+        [
+            [[double_expert(t, layer, k) for k in range(top_k)] for layer in range(layers)]
+            for t in positions
+        ],
+        dtype=np.uint8,
+    ).reshape(len(positions), layers, top_k)
+    with io.BytesIO() as buffer:
+        np.save(buffer, experts, allow_pickle=False)
+        return base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 Script = ScriptedCompletion | Callable[[list[int], dict[str, Any]], ScriptedCompletion]
@@ -146,6 +187,10 @@ class EngineDouble:
     generate_endpoint: bool = True
     default: Callable[[list[int], dict[str, Any]], ScriptedCompletion] | None = None
     healthy: bool = True
+    dev_mode: bool = False
+    weight_version: str = "default"
+    routed_experts: tuple[int, int] | None = None
+    """(layers, top_k): answer like an MoE engine with --enable-return-routed-experts."""
     chunk_delay_s: float = 0.0
     """Pause after each streamed chunk (to let a test act while a stream is running)."""
     latency_s: float = 0.0
@@ -186,6 +231,9 @@ class EngineDouble:
             self.requests.clear()
             self.default = None
             self.healthy = True
+            self.dev_mode = False
+            self.weight_version = "default"
+            self.routed_experts = None
             self.chunk_delay_s = 0.0
             self.streams_ended = 0
             self.streams_abandoned = 0
@@ -243,8 +291,23 @@ class EngineDouble:
                 Route(COMPLETIONS_PATH, self._completions, methods=["POST"]),
                 Route("/health", self._health, methods=["GET"]),
                 Route("/v1/models", self._models, methods=["GET"]),
+                Route("/weight_info", self._weight_info, methods=["GET"]),
+                Route("/update_weight_version", self._update_weight_version, methods=["POST"]),
             ]
         )
+
+    async def _weight_info(self, _request: Request) -> Response:
+        if not self.dev_mode:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        return JSONResponse({"weight_version": self.weight_version})
+
+    async def _update_weight_version(self, request: Request) -> Response:
+        if not self.dev_mode:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        version = (await request.json())["new_version"]
+        with self._lock:
+            self.weight_version = str(version)
+        return JSONResponse({"success": True, "new_version": version})
 
     async def _health(self, _request: Request) -> Response:
         return Response(status_code=200 if self.healthy else 503)
@@ -399,6 +462,20 @@ class EngineDouble:
                     "length",
                     None,
                     completion.logprob_values()[:max_tokens],
+                    completion.weight_versions,
+                )
+            if completion.weight_versions is None:
+                completion = ScriptedCompletion(
+                    completion.token_ids,
+                    completion.finish_reason,
+                    completion.stop_reason,
+                    completion.logprobs,
+                    [(self.weight_version, 0, len(completion.token_ids))],
+                )
+            if self.routed_experts is not None:
+                start = int(sampling.get("routed_experts_prompt_start") or 0)
+                completion.routed_experts = _routes_wire(
+                    [*prompt, *completion.token_ids], start, *self.routed_experts
                 )
             chosen.append(completion)
         return chosen
@@ -555,8 +632,12 @@ def _generate_logprobs(token_ids: list[int], values: list[float]) -> dict[str, A
     }
 
 
-def _weight_versions(length: int) -> list[dict[str, Any]]:
-    return [{"version": "default", "start": 0, "end": length}]
+def _weight_versions(completion: ScriptedCompletion) -> list[dict[str, Any]]:
+    return [
+        {"version": version, "start": start, "end": min(end, len(completion.token_ids))}
+        for version, start, end in completion.weight_versions or ()
+        if start < len(completion.token_ids)
+    ]
 
 
 def _generate_choice(
@@ -566,16 +647,15 @@ def _generate_choice(
     values: list[float],
     finished: bool,
     want_logprobs: bool,
-    total: int,
 ) -> dict[str, Any]:
     return {
         "index": index,
         "finish_reason": completion.finish_reason if finished else None,
         "stop_reason": completion.stop_reason if finished else None,
         "token_ids": token_ids,
-        "routed_experts": None,
+        "routed_experts": completion.routed_experts if finished else None,
         "sampling_mask": None,
-        "weight_versions": _weight_versions(total) if finished else None,
+        "weight_versions": _weight_versions(completion) if finished else None,
         "logprobs": _generate_logprobs(token_ids, values) if want_logprobs else None,
     }
 
@@ -613,9 +693,7 @@ def _generate_response(
         "ec_transfer_params": None,
         "output_mode": "tokens",
         "choices": [
-            _generate_choice(
-                i, c, c.token_ids, c.logprob_values(), True, want_logprobs, len(c.token_ids)
-            )
+            _generate_choice(i, c, c.token_ids, c.logprob_values(), True, want_logprobs)
             for i, c in enumerate(completions)
         ],
     }
@@ -655,7 +733,6 @@ def _generate_chunks(
                 values[index][position : position + 1],
                 position >= total - 1,
                 want_logprobs,
-                total,
             )
         ]
         yield f"data: {_compact(chunk)}\n\n"

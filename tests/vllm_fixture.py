@@ -36,7 +36,8 @@ def skip_if_asked() -> None:
 
 @pytest.fixture(scope="session")
 def vllm_engine() -> Iterator[RunningEngine]:
-    """The tiny random-weights Qwen3 (real tokenizer and chat template)."""
+    """The tiny random-weights Qwen3 (real tokenizer and chat template), in vLLM's dev mode so
+    that tests can publish policy versions (`POST /update_weight_version`)."""
     skip_if_asked()
     if url := os.environ.get("TOKENKEEP_VLLM_URL"):
         yield RunningEngine(
@@ -46,7 +47,7 @@ def vllm_engine() -> Iterator[RunningEngine]:
             localengine.DEFAULT_MAX_MODEL_LEN,
         )
         return
-    engine = localengine.start()
+    engine = localengine.start(dev_mode=True)
     try:
         yield RunningEngine(
             engine.url, engine.served_model_name, engine.model_dir, engine.max_model_len

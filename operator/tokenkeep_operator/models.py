@@ -170,6 +170,13 @@ class Engine(CRDModel):
         None, description="vLLM tool-call parser; also turns on --enable-auto-tool-choice."
     )
     reasoning_parser: str | None = Field(None, description="--reasoning-parser of vLLM.")
+    return_routed_experts: bool = Field(
+        False,
+        description=(
+            "MoE routing replay: the engine returns the experts each token was routed to "
+            "(--enable-return-routed-experts); sessions that ask for them store them."
+        ),
+    )
     extra_args: list[str] = Field(
         default_factory=list, description="Appended to the vLLM command line."
     )

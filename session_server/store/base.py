@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import numpy as np
+
 
 @dataclass(slots=True)
 class TurnRecord:
@@ -54,6 +56,22 @@ class TurnRecord:
     """Which front-end produced the turn: chat | responses | messages | completions."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Small JSON-serialisable facts: timings, response id, normalisation notes."""
+    weight_versions: list[WeightSpan] = field(default_factory=list)
+    """Which policy version sampled which completion tokens, as the engine reported it
+    (vLLM's per-choice `weight_versions`), in completion coordinates; [] if it reported
+    none (an older engine, the /v1/completions fallback)."""
+    routed_experts: RoutedExperts | None = None
+    """MoE routing replay (sessions that ask for it): the experts of the positions this turn
+    forwarded first."""
+
+
+@dataclass(slots=True, frozen=True)
+class WeightSpan:
+    """Completion tokens [start, end) were sampled by policy `version`."""
+
+    version: str
+    start: int
+    end: int
 
 
 @dataclass(slots=True)
@@ -70,6 +88,8 @@ class SessionMeta:
     (None: each API's default)."""
     key_hash: str = ""
     """SHA-256 of the session's API key (session_server.api.auth); empty: none issued."""
+    routed_experts: bool = False
+    """MoE routing replay: ask the engine for each turn's expert routes and store them."""
 
 
 def new_incarnation() -> str:
@@ -140,12 +160,49 @@ class SessionCounters:
     """Tokens stored: the sum of len(prompt_delta) + len(completion_ids) over all turns."""
 
 
+@dataclass(slots=True, eq=False)
+class RoutedExperts:
+    """The experts an MoE engine routed positions [start, start + len(experts)) of the turn's
+    segment to, `experts[i, layer, k]`. A turn holds the positions its own request forwarded
+    first: from its parent's last sampled token (the parent's request sampled it but never
+    forwarded it) to its own last token but one; a segment's first turn starts at 0."""
+
+    start: int
+    experts: np.ndarray
+    """(positions, layers, top_k), unsigned integers."""
+
+    @property
+    def end(self) -> int:
+        return self.start + int(self.experts.shape[0])
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            isinstance(other, RoutedExperts)
+            and self.start == other.start
+            and self.experts.shape == other.experts.shape
+            and bool(np.array_equal(self.experts, other.experts))
+        )
+
+
+@dataclass(slots=True)
+class Finish:
+    """A finished rollout: when, its reward, what the driver said about it."""
+
+    finished_at: float
+    reward: float | None = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
 class SessionNotFound(KeyError):
     pass
 
 
 class SessionExists(ValueError):
     pass
+
+
+class AlreadyFinished(ValueError):
+    """`finish_session` on a session that is finished already; nothing was changed."""
 
 
 class UnknownParent(ValueError):
@@ -236,6 +293,22 @@ class SessionStore(Protocol):
     async def list_sessions(self) -> list[tuple[SessionMeta, SessionCounters]]:
         """Every live session with its counters, in no particular order. Costs a pass over
         all sessions (no index is written per turn): for browsing, not for the turn path."""
+        ...
+
+    async def finish_session(self, session_id: str, finish: Finish) -> None:
+        """Mark the session finished (it then appears in `list_finished`). Raises
+        SessionNotFound, or AlreadyFinished (changing nothing). The TTL is left as it is."""
+        ...
+
+    async def get_finish(self, session_id: str) -> Finish | None:
+        """The session's finish, None while it is not finished. Raises SessionNotFound."""
+        ...
+
+    async def list_finished(
+        self, *, since: float | None = None, until: float | None = None, limit: int = 1000
+    ) -> list[tuple[str, SessionMeta, Finish]]:
+        """Finished sessions that still exist, oldest finish first, with
+        `since <= finished_at <= until`; at most `limit`."""
         ...
 
     async def ping(self) -> bool:

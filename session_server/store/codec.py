@@ -3,8 +3,10 @@
 A record is a fixed header, a short JSON object for the rare string fields, then the token IDs
 of `prompt_delta` and `completion_ids` as little-endian integers of 3 bytes (when every ID is
 below 2**24, true of every real vocabulary) or 4 bytes, then one float32 logprob per
-completion token (vLLM's logprobs are float32, so this is lossless for them). The turn id is
-not stored: it is the record's key in its session.
+completion token (vLLM's logprobs are float32, so this is lossless for them), then, for a turn
+with MoE routes (flag), a small header and the expert ids as the narrowest unsigned integers
+that hold them (1 byte each for up to 256 experts: layers x top_k bytes per position). The
+turn id is not stored: it is the record's key in its session.
 
 The parent id sits at byte offset 1 (1-based position 2) as an unsigned 32-bit little-endian
 integer, 0 for a root: the Redis lookup script reads it there to walk the path of a session
@@ -20,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from session_server.store.base import SessionMeta, TurnRecord
+from session_server.store.base import Finish, RoutedExperts, SessionMeta, TurnRecord, WeightSpan
 
 VERSION = 1
 # version, parent_id (0 = root), flags, kind code, api code, finish code,
@@ -30,6 +32,9 @@ HEADER_SIZE = _HEADER.size
 
 _SEGMENT_START = 0x01
 _WIDE_TOKENS = 0x02
+_ROUTES = 0x04
+# start position, positions, layers, top_k, bytes per expert id.
+_ROUTE_HEADER = struct.Struct("<IIHHB")
 
 # Common values of the enumerated string fields get a one-byte code (index + 1); 0 means the
 # value is in the JSON part instead, so any string stays representable.
@@ -107,11 +112,18 @@ def encode_turn(record: TurnRecord) -> bytes:
         rare["b"] = record.break_reason
     if record.extra:
         rare["x"] = record.extra
+    if record.weight_versions:
+        rare["w"] = _pack_weight_versions(record.weight_versions, completion.size)
     rare_json = (
         json.dumps(rare, separators=(",", ":"), ensure_ascii=False).encode() if rare else b""
     )
 
-    flags = (_SEGMENT_START if record.segment_start else 0) | (_WIDE_TOKENS if width == 4 else 0)
+    routes = _pack_routes(record.routed_experts) if record.routed_experts is not None else b""
+    flags = (
+        (_SEGMENT_START if record.segment_start else 0)
+        | (_WIDE_TOKENS if width == 4 else 0)
+        | (_ROUTES if routes else 0)
+    )
     header = _HEADER.pack(
         VERSION,
         record.parent_id or 0,
@@ -132,8 +144,35 @@ def encode_turn(record: TurnRecord) -> bytes:
             _pack_tokens(prompt, width),
             _pack_tokens(completion, width),
             logprobs.tobytes(),
+            routes,
         )
     )
+
+
+def _pack_routes(routes: RoutedExperts) -> bytes:
+    experts = np.asarray(routes.experts)
+    if experts.ndim != 3 or experts.dtype.kind not in "iu" or routes.start < 0:
+        raise ValueError("routed_experts must be (positions, layers, top_k) integers")
+    if experts.size and int(experts.min()) < 0:
+        raise ValueError("routed_experts holds a negative expert id")
+    top = int(experts.max()) if experts.size else 0
+    itemsize = 1 if top < 1 << 8 else 2 if top < 1 << 16 else 4
+    positions, layers, top_k = experts.shape
+    header = _ROUTE_HEADER.pack(routes.start, positions, layers, top_k, itemsize)
+    return header + experts.astype(f"<u{itemsize}").tobytes()
+
+
+def _unpack_routes(turn_id: int, blob: bytes, offset: int) -> RoutedExperts:
+    try:
+        start, positions, layers, top_k, itemsize = _ROUTE_HEADER.unpack_from(blob, offset)
+    except struct.error as exc:
+        raise CorruptRecord(f"turn {turn_id}: truncated routes") from exc
+    offset += _ROUTE_HEADER.size
+    count = positions * layers * top_k
+    if itemsize not in (1, 2, 4) or len(blob) != offset + count * itemsize:
+        raise CorruptRecord(f"turn {turn_id}: routes do not fit the record")
+    experts = np.frombuffer(blob, dtype=f"<u{itemsize}", count=count, offset=offset)
+    return RoutedExperts(start, experts.reshape(positions, layers, top_k))
 
 
 def decode_turn(turn_id: int, blob: bytes) -> TurnRecord:
@@ -157,7 +196,8 @@ def decode_turn(turn_id: int, blob: bytes) -> TurnRecord:
         raise CorruptRecord(f"turn {turn_id}: unknown record version {version}")
     width = 4 if flags & _WIDE_TOKENS else 3
     expected = HEADER_SIZE + rare_len + (n_prompt + n_completion) * width + n_completion * 4
-    if len(blob) != expected:
+    routed = bool(flags & _ROUTES)
+    if len(blob) != expected if not routed else len(blob) < expected:
         raise CorruptRecord(f"turn {turn_id}: {len(blob)} bytes, header says {expected}")
 
     offset = HEADER_SIZE
@@ -168,6 +208,7 @@ def decode_turn(turn_id: int, blob: bytes) -> TurnRecord:
     prompt, completion = tokens[:n_prompt], tokens[n_prompt:]
     offset += (n_prompt + n_completion) * width
     logprobs = np.frombuffer(blob, dtype="<f4", count=n_completion, offset=offset).tolist()
+    routes = _unpack_routes(turn_id, blob, expected) if routed else None
     return TurnRecord(
         turn_id=turn_id,
         parent_id=parent or None,
@@ -183,7 +224,32 @@ def decode_turn(turn_id: int, blob: bytes) -> TurnRecord:
         created_at=created_at,
         api=_APIS[api - 1] if api else rare["a"],
         extra=rare.get("x", {}),
+        weight_versions=_unpack_weight_versions(rare.get("w"), n_completion),
+        routed_experts=routes,
     )
+
+
+def _pack_weight_versions(spans: list[WeightSpan], n_completion: int) -> str | list[Any]:
+    """The common case, one version for the whole completion, is just the version string
+    (a few bytes per turn); otherwise [[version, start, end], ...]."""
+    end = 0
+    for span in spans:
+        if not isinstance(span.version, str) or not (end <= span.start < span.end):
+            raise ValueError(f"weight_versions spans must be ordered and non-empty: {spans}")
+        end = span.end
+    if end > n_completion:
+        raise ValueError(f"weight_versions span past the {n_completion} completion tokens")
+    if len(spans) == 1 and spans[0].start == 0 and spans[0].end == n_completion:
+        return spans[0].version
+    return [[s.version, s.start, s.end] for s in spans]
+
+
+def _unpack_weight_versions(packed: str | list[Any] | None, n_completion: int) -> list[WeightSpan]:
+    if packed is None:
+        return []
+    if isinstance(packed, str):
+        return [WeightSpan(packed, 0, n_completion)]
+    return [WeightSpan(v, start, end) for v, start, end in packed]
 
 
 def stored_tokens(record: TurnRecord) -> int:
@@ -197,6 +263,14 @@ def encode_meta(meta: SessionMeta) -> bytes:
 
 def decode_meta(blob: bytes) -> SessionMeta:
     return SessionMeta(**json.loads(blob))
+
+
+def encode_finish(finish: Finish) -> bytes:
+    return json.dumps(asdict(finish), separators=(",", ":"), ensure_ascii=False).encode()
+
+
+def decode_finish(blob: bytes) -> Finish:
+    return Finish(**json.loads(blob))
 
 
 def validate_meta(meta: SessionMeta) -> None:

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from session_server.store.base import (
+    AlreadyFinished,
+    Finish,
     LookupResult,
     RecordCache,
     SessionCounters,
@@ -23,9 +25,11 @@ from session_server.store.base import (
     new_incarnation,
 )
 from session_server.store.codec import (
+    decode_finish,
     decode_meta,
     decode_turn,
     encode_append,
+    encode_finish,
     encode_meta,
     validate_meta,
 )
@@ -43,6 +47,7 @@ class _Session:
     segments: int = 0
     tokens: int = 0
     breaks: dict[str, int] = field(default_factory=dict)
+    finish: bytes | None = None
 
     def touch(self, now: float) -> None:
         if self.ttl_seconds is not None:
@@ -227,6 +232,35 @@ class MemoryStore:
             (decode_meta(session.meta), await self.counters(sid))
             for sid, session in self._sessions.items()
         ]
+
+    async def finish_session(self, session_id: str, finish: Finish) -> None:
+        packed = encode_finish(finish)
+        session = self._require(session_id)
+        if session.finish is not None:
+            raise AlreadyFinished(session_id)
+        session.finish = packed
+
+    async def get_finish(self, session_id: str) -> Finish | None:
+        packed = self._require(session_id).finish
+        return None if packed is None else decode_finish(packed)
+
+    async def list_finished(
+        self, *, since: float | None = None, until: float | None = None, limit: int = 1000
+    ) -> list[tuple[str, SessionMeta, Finish]]:
+        self._sweep(self._clock())
+        found = [
+            (sid, decode_meta(s.meta), decode_finish(s.finish))
+            for sid, s in self._sessions.items()
+            if s.finish is not None
+        ]
+        found = [
+            item
+            for item in found
+            if (since is None or item[2].finished_at >= since)
+            and (until is None or item[2].finished_at <= until)
+        ]
+        found.sort(key=lambda item: item[2].finished_at)
+        return found[:limit]
 
     async def ping(self) -> bool:
         return True

@@ -10,6 +10,9 @@ and every script may touch all of them:
 - `{prefix}:{<sid>}:index`   hash: lookup key -> turn id (first writer wins);
 - `{prefix}:{<sid>}:parents` hash: turn id -> parent id (0 = root), so that the lookup script
                              walks a path without copying the records the caller holds.
+A finished session also has `fin` (packed Finish) in its meta hash and is a member of the
+sorted set `{prefix}:finished` (score: finish time), the one key shared by all sessions: it is
+only ever used by single-key commands, so it may live in any Cluster slot.
 Lookups and appends are Lua scripts (EVALSHA), so each is one round trip and atomic.
 """
 
@@ -45,6 +48,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from session_server.store.base import (
+    AlreadyFinished,
+    Finish,
     LookupResult,
     RecordCache,
     SessionCounters,
@@ -57,9 +62,11 @@ from session_server.store.base import (
     new_incarnation,
 )
 from session_server.store.codec import (
+    decode_finish,
     decode_meta,
     decode_turn,
     encode_append,
+    encode_finish,
     encode_meta,
     validate_meta,
 )
@@ -188,6 +195,8 @@ class RedisStore:
         self._create = self._redis.register_script(_script("create.lua"))
         self._delete = self._redis.register_script(_script("delete.lua"))
         self._read_script = self._redis.register_script(_script("read.lua"))
+        self._finish = self._redis.register_script(_script("finish.lua"))
+        self._finished_key = f"{key_prefix}:finished"
 
     async def _call(self, operation: Callable[[], Awaitable[T]]) -> T:
         """Run `operation`, retrying transient faults with backoff within `retry_s`."""
@@ -241,7 +250,9 @@ class RedisStore:
 
     async def delete_session(self, session_id: str) -> bool:
         keys = self.session_keys(session_id)
-        return bool(await self._call(lambda: self._delete(keys=keys)))
+        deleted = bool(await self._call(lambda: self._delete(keys=keys)))
+        await self._call(lambda: self._redis.zrem(self._finished_key, session_id))
+        return deleted
 
     async def lookup(
         self,
@@ -404,6 +415,59 @@ class RedisStore:
 
         rows = await self._call(scan)
         return [(decode_meta(f[b"meta"]), _counters(f)) for f in rows if f and b"meta" in f]
+
+    async def finish_session(self, session_id: str, finish: Finish) -> None:
+        packed = encode_finish(finish)
+        # Indexed first: a member whose session holds no `fin` (the script below failed or
+        # said no) is skipped by list_finished, while a finish missing from the index
+        # would never be listed.
+        index = self._finished_key
+        await self._call(lambda: self._redis.zadd(index, {session_id: finish.finished_at}, nx=True))
+        meta_key = self.session_keys(session_id)[:1]
+        status = await self._call(lambda: self._finish(keys=meta_key, args=[packed]))
+        if status == b"gone":
+            await self._call(lambda: self._redis.zrem(index, session_id))
+            raise SessionNotFound(session_id)
+        if status == b"done":
+            raise AlreadyFinished(session_id)
+
+    async def get_finish(self, session_id: str) -> Finish | None:
+        meta_key = self.session_keys(session_id)[0]
+        packed = await self._read(session_id, meta_key, "HGET", "fin")
+        return None if packed is None else decode_finish(packed)
+
+    async def list_finished(
+        self, *, since: float | None = None, until: float | None = None, limit: int = 1000
+    ) -> list[tuple[str, SessionMeta, Finish]]:
+        members = await self._call(
+            lambda: self._redis.zrangebyscore(
+                self._finished_key,
+                "-inf" if since is None else since,
+                "+inf" if until is None else until,
+                start=0,
+                num=limit,
+            )
+        )
+        if not members:
+            return []
+
+        async def read_all() -> list[Any]:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                for member in members:
+                    pipe.hmget(self.session_keys(member.decode())[0], "meta", "fin")
+                return await pipe.execute()
+
+        rows = await self._call(read_all)
+        found: list[tuple[str, SessionMeta, Finish]] = []
+        gone: list[bytes] = []
+        for member, (meta, fin) in zip(members, rows, strict=True):
+            if meta is None:
+                gone.append(member)  # expired: its index entry goes too
+            elif fin is not None:
+                found.append((member.decode(), decode_meta(meta), decode_finish(fin)))
+        if gone:
+            await self._call(lambda: self._redis.zrem(self._finished_key, *gone))
+        return found
 
     async def ping(self) -> bool:
         try:

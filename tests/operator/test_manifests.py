@@ -269,3 +269,15 @@ def test_redis_pvc_is_deleted_with_the_resource_unless_retained() -> None:
     statefulset = next(o for o in objects if o["kind"] == "StatefulSet")
     assert statefulset["spec"]["persistentVolumeClaimRetentionPolicy"]["whenDeleted"] == "Retain"
     assert redis.url("rollouts", TEST_NAMESPACE).startswith("redis://rollouts-redis-0.")
+
+
+def test_routing_replay_switch_adds_the_engine_flag() -> None:
+    def args(modelserver: dict[str, Any]) -> list[str]:
+        return render_modelserver(modelserver)[-1]["spec"]["template"]["spec"]["containers"][0][
+            "args"
+        ]
+
+    modelserver = pvc_modelserver()
+    assert "--enable-return-routed-experts" not in args(modelserver)
+    modelserver["spec"]["engine"]["returnRoutedExperts"] = True
+    assert "--enable-return-routed-experts" in args(modelserver)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -9,7 +10,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from session_server.store.base import TurnRecord
+from session_server.store.base import RoutedExperts, TurnRecord, WeightSpan
 from session_server.store.codec import (
     HEADER_SIZE,
     CorruptRecord,
@@ -30,6 +31,30 @@ json_values = st.recursive(
 
 
 @st.composite
+def weight_spans(draw: st.DrawFn, n_completion: int) -> list[WeightSpan]:
+    """Ordered, non-overlapping spans within the completion (gaps allowed: a token may have
+    no reported version)."""
+    cuts = sorted(draw(st.sets(st.integers(0, n_completion), max_size=6)))
+    pairs = list(itertools.pairwise(cuts))
+    chosen = [p for p in pairs if draw(st.booleans())]
+    return [WeightSpan(draw(st.text(max_size=6)), start, end) for start, end in chosen]
+
+
+@st.composite
+def routes(draw: st.DrawFn) -> RoutedExperts | None:
+    if draw(st.booleans()):
+        return None
+    shape = (draw(st.integers(0, 20)), draw(st.integers(1, 4)), draw(st.integers(1, 3)))
+    top = draw(st.sampled_from([255, 256, 70000]))
+    values = draw(
+        st.lists(st.integers(0, top), min_size=int(np.prod(shape)), max_size=int(np.prod(shape)))
+    )
+    return RoutedExperts(
+        draw(st.integers(0, 2**31)), np.array(values, dtype=np.int64).reshape(shape)
+    )
+
+
+@st.composite
 def records(draw: st.DrawFn) -> TurnRecord:
     completion = draw(token_ids)
     return TurnRecord(
@@ -47,6 +72,8 @@ def records(draw: st.DrawFn) -> TurnRecord:
         created_at=draw(st.floats(0, 4e9)),
         api=draw(st.sampled_from(["chat", "responses", "messages", "completions"]) | st.text()),
         extra=draw(st.dictionaries(st.text(max_size=8), json_values, max_size=4)),
+        weight_versions=draw(weight_spans(len(completion))),
+        routed_experts=draw(routes()),
     )
 
 
@@ -137,3 +164,37 @@ def test_truncated_record_is_reported() -> None:
         decode_turn(1, blob[:-1])
     with pytest.raises(CorruptRecord):
         decode_turn(1, blob[:10])
+
+
+def test_one_version_for_the_whole_completion_costs_its_string_only() -> None:
+    record = TurnRecord(0, None, True, "first", None, [1, 2], [3, 4, 5], [-1.0] * 3, "stop")
+    plain = len(encode_turn(record))
+    record.weight_versions = [WeightSpan("12", 0, 3)]
+    assert len(encode_turn(record)) - plain == len('{"w":"12"}')
+    assert decode_turn(1, encode_turn(record)).weight_versions == [WeightSpan("12", 0, 3)]
+
+
+@pytest.mark.parametrize(
+    "spans",
+    [
+        [WeightSpan("1", 0, 4)],  # past the completion
+        [WeightSpan("1", 2, 2)],  # empty
+        [WeightSpan("1", 0, 2), WeightSpan("2", 1, 3)],  # overlapping
+    ],
+)
+def test_rejects_bad_weight_spans(spans: list[WeightSpan]) -> None:
+    record = TurnRecord(0, None, True, "first", None, [1], [3, 4, 5], [-1.0] * 3, "stop")
+    record.weight_versions = spans
+    with pytest.raises(ValueError, match="weight_versions"):
+        encode_turn(record)
+
+
+def test_routes_cost_layers_times_top_k_bytes_per_position() -> None:
+    record = TurnRecord(0, None, True, "first", None, [1, 2], [3, 4, 5], [-1.0] * 3, "stop")
+    plain = len(encode_turn(record))
+    experts = np.arange(4 * 48 * 8).reshape(4, 48, 8) % 128  # 48 layers, top-8 of 128
+    record.routed_experts = RoutedExperts(0, experts)
+    assert len(encode_turn(record)) - plain == 13 + 4 * 48 * 8
+    decoded = decode_turn(1, encode_turn(record)).routed_experts
+    assert decoded == record.routed_experts and decoded is not None
+    assert decoded.experts.dtype == np.uint8

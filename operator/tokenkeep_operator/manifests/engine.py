@@ -102,6 +102,8 @@ def vllm_args(owner_name: str, spec: ModelServerSpec) -> list[str]:
         args += ["--enable-auto-tool-choice", "--tool-call-parser", engine.tool_call_parser]
     if engine.reasoning_parser:
         args += ["--reasoning-parser", engine.reasoning_parser]
+    if engine.return_routed_experts:
+        args.append("--enable-return-routed-experts")
     args += ["--shutdown-timeout", str(spec.drain_seconds)]
     return args + list(engine.extra_args)
 

@@ -1,0 +1,32 @@
+"""Python client for the tokenkeep session server: sessions for rollouts, finished rollouts
+with rewards, and their token-exact trajectories as objects or NumPy arrays."""
+
+from tokenkeep.client import AsyncClient, Client, TokenkeepError
+from tokenkeep.types import (
+    Batch,
+    Branch,
+    Finish,
+    FinishedSession,
+    Row,
+    Segment,
+    SegmentArrays,
+    SessionInfo,
+    Trajectory,
+    WeightSpan,
+)
+
+__all__ = [
+    "AsyncClient",
+    "Batch",
+    "Branch",
+    "Client",
+    "Finish",
+    "FinishedSession",
+    "Row",
+    "Segment",
+    "SegmentArrays",
+    "SessionInfo",
+    "TokenkeepError",
+    "Trajectory",
+    "WeightSpan",
+]

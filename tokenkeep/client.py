@@ -1,0 +1,364 @@
+"""Clients for the tokenkeep session server's management and export API (sync and async).
+
+A rollout driver creates a session per rollout, points its harness at the session's base URL
+(any OpenAI or Anthropic client, unmodified), and finishes the session with a reward. A
+trainer then fetches trajectories, or exports a batch of finished sessions as rows or arrays.
+
+    from tokenkeep import Client
+
+    with Client("http://127.0.0.1:8000") as tk:
+        session = tk.create_session(sampling={"temperature": 1.0}, metadata={"group": "q1"})
+        ...  # openai.OpenAI(base_url=session.openai_base_url, api_key=session.api_key)
+        tk.finish(session.id, reward=1.0)
+        batch = tk.export_batch(selector="group=q1")
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import httpx
+
+from tokenkeep.types import Batch, Finish, FinishedSession, Row, SessionInfo, Trajectory
+
+Stale = Literal["mask", "drop"]
+
+
+class TokenkeepError(Exception):
+    """The server refused a request; `status` is its HTTP status, `message` its reason."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(f"{status}: {message}")
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """One API request, built the same way for both clients."""
+
+    method: str
+    path: str
+    json: dict[str, Any] | None = None
+    params: dict[str, Any] | None = None
+
+
+def _without_none(values: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def _create(
+    id: str | None,
+    sampling: dict[str, Any] | None,
+    metadata: dict[str, Any] | None,
+    ttl_seconds: int | None,
+    routed_experts: bool | None,
+) -> _Call:
+    body = _without_none(
+        {
+            "id": id,
+            "sampling": sampling,
+            "metadata": metadata,
+            "ttl_seconds": ttl_seconds,
+            "routed_experts": routed_experts,
+        }
+    )
+    return _Call("POST", "/sessions", json=body)
+
+
+def _finish(session_id: str, reward: float | None, metadata: dict[str, Any] | None) -> _Call:
+    return _Call(
+        "POST",
+        f"/sessions/{session_id}/finish",
+        json=_without_none({"reward": reward, "metadata": metadata}),
+    )
+
+
+def _trajectory(session_id: str, min_weight_version: float | None, stale: Stale) -> _Call:
+    params = _without_none({"min_weight_version": min_weight_version})
+    if min_weight_version is not None:
+        params["stale"] = stale
+    return _Call("GET", f"/sessions/{session_id}/trajectory", params=params)
+
+
+def _list(selector: str | None, since: float | None, until: float | None, limit: int) -> _Call:
+    params = _without_none({"selector": selector, "since": since, "until": until})
+    return _Call("GET", "/sessions", params={"finished": "true", "limit": limit, **params})
+
+
+def _export(
+    session_ids: list[str] | None,
+    selector: str | None,
+    since: float | None,
+    until: float | None,
+    limit: int,
+    min_weight_version: float | None,
+    stale: Stale,
+) -> _Call:
+    body = _without_none(
+        {
+            "session_ids": session_ids,
+            "selector": selector,
+            "since": since,
+            "until": until,
+            "min_weight_version": min_weight_version,
+        }
+    )
+    return _Call("POST", "/sessions/export", json={"limit": limit, "stale": stale, **body})
+
+
+def _finished(data: dict[str, Any]) -> list[FinishedSession]:
+    return [
+        FinishedSession(s["id"], s["metadata"], Finish.from_json(s["finish"]))
+        for s in data["sessions"]
+    ]
+
+
+def _raise_for(status: int, body: bytes) -> None:
+    if status < 400:
+        return
+    try:
+        error = json.loads(body)["error"]
+        message, param = str(error.get("message")), error.get("param")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        message, param = body.decode(errors="replace")[:500], None
+    raise TokenkeepError(status, message, param)
+
+
+def _row(line: str) -> Row | None:
+    if not line.strip():
+        return None
+    data = json.loads(line)
+    if "error" in data:
+        raise TokenkeepError(500, data["error"].get("message", "export failed"))
+    return Row.from_json(data)
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+class Client:
+    """Blocking client. `base_url` is the session server's root (`http://host:port`);
+    `api_key` is the server's key when it has one."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        timeout: float = 60.0,
+        http: httpx.Client | None = None,
+    ) -> None:
+        self._http = http or httpx.Client(
+            base_url=base_url.rstrip("/"), timeout=timeout, headers=_headers(api_key)
+        )
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _send(self, call: _Call) -> Any:
+        response = self._http.request(call.method, call.path, json=call.json, params=call.params)
+        _raise_for(response.status_code, response.content)
+        return response.json() if response.content else None
+
+    def create_session(
+        self,
+        *,
+        id: str | None = None,
+        sampling: dict[str, Any] | None = None,
+        metadata: dict[str, Any] | None = None,
+        ttl_seconds: int | None = None,
+        routed_experts: bool | None = None,
+    ) -> SessionInfo:
+        """A new session. `sampling` overrides what the harness sends (vLLM parameter
+        names); `metadata` is what `list_finished`/`export` selectors match;
+        `routed_experts` turns MoE routing replay on or off (default: the server's)."""
+        call = _create(id, sampling, metadata, ttl_seconds, routed_experts)
+        return SessionInfo.from_json(self._send(call))
+
+    def finish(
+        self,
+        session_id: str,
+        *,
+        reward: float | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> Finish:
+        """Mark the rollout finished (once); it is then listed and exportable."""
+        return Finish.from_json(self._send(_finish(session_id, reward, metadata))["finish"])
+
+    def trajectory(
+        self, session_id: str, *, min_weight_version: float | None = None, stale: Stale = "mask"
+    ) -> Trajectory:
+        return Trajectory.from_json(self._send(_trajectory(session_id, min_weight_version, stale)))
+
+    def trajectories(
+        self,
+        session_ids: list[str],
+        *,
+        min_weight_version: float | None = None,
+        stale: Stale = "mask",
+    ) -> list[Trajectory]:
+        return [
+            self.trajectory(s, min_weight_version=min_weight_version, stale=stale)
+            for s in session_ids
+        ]
+
+    def list_finished(
+        self,
+        *,
+        selector: str | None = None,
+        since: float | None = None,
+        until: float | None = None,
+        limit: int = 1000,
+    ) -> list[FinishedSession]:
+        return _finished(self._send(_list(selector, since, until, limit)))
+
+    def export(
+        self,
+        *,
+        session_ids: list[str] | None = None,
+        selector: str | None = None,
+        since: float | None = None,
+        until: float | None = None,
+        limit: int = 1000,
+        min_weight_version: float | None = None,
+        stale: Stale = "mask",
+    ) -> Iterator[Row]:
+        """Rows (one per segment) of finished sessions, streamed as the server sends them.
+        Raises TokenkeepError before the first row for a batch that cannot be exported
+        (an unknown or unfinished session, nothing matching)."""
+        call = _export(session_ids, selector, since, until, limit, min_weight_version, stale)
+        with self._http.stream(call.method, call.path, json=call.json) as response:
+            if response.status_code >= 400:
+                _raise_for(response.status_code, response.read())
+            for line in response.iter_lines():
+                row = _row(line)
+                if row is not None:
+                    yield row
+
+    def export_batch(self, *, pad_id: int = 0, **selection: Any) -> Batch:
+        """`export(**selection)` stacked into padded NumPy arrays."""
+        return Batch.from_rows(self.export(**selection), pad_id=pad_id)
+
+    def delete(self, session_id: str) -> None:
+        self._send(_Call("DELETE", f"/sessions/{session_id}"))
+
+
+class AsyncClient:
+    """The same API for asyncio (one per event loop)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        timeout: float = 60.0,
+        http: httpx.AsyncClient | None = None,
+    ) -> None:
+        self._http = http or httpx.AsyncClient(
+            base_url=base_url.rstrip("/"), timeout=timeout, headers=_headers(api_key)
+        )
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    async def _send(self, call: _Call) -> Any:
+        response = await self._http.request(
+            call.method, call.path, json=call.json, params=call.params
+        )
+        _raise_for(response.status_code, response.content)
+        return response.json() if response.content else None
+
+    async def create_session(
+        self,
+        *,
+        id: str | None = None,
+        sampling: dict[str, Any] | None = None,
+        metadata: dict[str, Any] | None = None,
+        ttl_seconds: int | None = None,
+        routed_experts: bool | None = None,
+    ) -> SessionInfo:
+        call = _create(id, sampling, metadata, ttl_seconds, routed_experts)
+        return SessionInfo.from_json(await self._send(call))
+
+    async def finish(
+        self,
+        session_id: str,
+        *,
+        reward: float | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> Finish:
+        data = await self._send(_finish(session_id, reward, metadata))
+        return Finish.from_json(data["finish"])
+
+    async def trajectory(
+        self, session_id: str, *, min_weight_version: float | None = None, stale: Stale = "mask"
+    ) -> Trajectory:
+        return Trajectory.from_json(
+            await self._send(_trajectory(session_id, min_weight_version, stale))
+        )
+
+    async def trajectories(
+        self,
+        session_ids: list[str],
+        *,
+        min_weight_version: float | None = None,
+        stale: Stale = "mask",
+    ) -> list[Trajectory]:
+        return [
+            await self.trajectory(s, min_weight_version=min_weight_version, stale=stale)
+            for s in session_ids
+        ]
+
+    async def list_finished(
+        self,
+        *,
+        selector: str | None = None,
+        since: float | None = None,
+        until: float | None = None,
+        limit: int = 1000,
+    ) -> list[FinishedSession]:
+        return _finished(await self._send(_list(selector, since, until, limit)))
+
+    async def export(
+        self,
+        *,
+        session_ids: list[str] | None = None,
+        selector: str | None = None,
+        since: float | None = None,
+        until: float | None = None,
+        limit: int = 1000,
+        min_weight_version: float | None = None,
+        stale: Stale = "mask",
+    ) -> AsyncIterator[Row]:
+        call = _export(session_ids, selector, since, until, limit, min_weight_version, stale)
+        async with self._http.stream(call.method, call.path, json=call.json) as response:
+            if response.status_code >= 400:
+                _raise_for(response.status_code, await response.aread())
+            async for line in response.aiter_lines():
+                row = _row(line)
+                if row is not None:
+                    yield row
+
+    async def export_batch(self, *, pad_id: int = 0, **selection: Any) -> Batch:
+        return Batch.from_rows([row async for row in self.export(**selection)], pad_id=pad_id)
+
+    async def delete(self, session_id: str) -> None:
+        await self._send(_Call("DELETE", f"/sessions/{session_id}"))
