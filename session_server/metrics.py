@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
@@ -14,7 +15,7 @@ _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
-        self._versions: Callable[[], dict[str, str | None]] | None = None
+        self._replicas: Callable[[], list[Any]] | None = None
         r = self.registry
         self.requests = Counter(
             "tokenkeep_requests", "HTTP requests by API and status.", ["api", "status"], registry=r
@@ -73,10 +74,12 @@ class Metrics:
         self.rejections = Counter(
             "tokenkeep_rejected_requests",
             "Generation requests refused before running, by reason "
-            "(queue_full, queue_timeout, draining, engines_full).",
+            "(queue_full, queue_timeout, draining).",
             ["reason"],
             registry=r,
         )
+        for reason in ("queue_full", "queue_timeout", "draining"):
+            self.rejections.labels(reason=reason)  # a series from the start, at 0
         self.generic_splice = Gauge(
             "tokenkeep_generic_splice_families",
             "Served model families on the generic end-of-turn splice (no hand-written "
@@ -90,25 +93,34 @@ class Metrics:
         )
         self.check_contiguous.set(-1)
 
-    def watch_weight_versions(self, versions: Callable[[], dict[str, str | None]]) -> None:
-        """Report `versions()` (replica URL -> the policy version it serves) at each scrape."""
-        if self._versions is None:
-            self.registry.register(_WeightVersions(self))
-        self._versions = versions
+    def watch_engine(self, replicas: Callable[[], list[Any]]) -> None:
+        """Report each engine replica (`.url`, `.healthy`, `.weight_version`, as the engine
+        client last saw them) at every scrape: whether it is up, and the policy version it
+        serves."""
+        if self._replicas is None:
+            self.registry.register(_EngineReplicas(self))
+        self._replicas = replicas
 
 
-class _WeightVersions(Collector):
+class _EngineReplicas(Collector):
     def __init__(self, metrics: Metrics) -> None:
         self._metrics = metrics
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        family = GaugeMetricFamily(
+        up = GaugeMetricFamily(
+            "tokenkeep_engine_replica_up",
+            "1 while an engine replica is healthy (health check and recent requests), else 0.",
+            labels=["replica"],
+        )
+        versions = GaugeMetricFamily(
             "tokenkeep_engine_weight_version",
             "1 for the policy version each engine replica serves (as last read from it).",
             labels=["replica", "version"],
         )
-        versions = self._metrics._versions
-        for replica, version in (versions() if versions else {}).items():
-            if version is not None:
-                family.add_metric([replica, version], 1)
-        yield family
+        replicas = self._metrics._replicas
+        for replica in replicas() if replicas else []:
+            up.add_metric([replica.url], 1 if replica.healthy else 0)
+            if replica.weight_version is not None:
+                versions.add_metric([replica.url, replica.weight_version], 1)
+        yield up
+        yield versions

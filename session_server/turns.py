@@ -143,7 +143,7 @@ class TurnService:
         self.model = model
         self.config = config
         self.metrics = metrics
-        metrics.watch_weight_versions(self.engine_versions)
+        metrics.watch_engine(lambda: self.engine.replicas)
         # Session metadata never changes after creation, so it is cached to save a round
         # trip per request; a deleted session still fails at append time.
         self._sessions: dict[str, SessionMeta] = {}
