@@ -42,6 +42,7 @@ def _parser() -> argparse.ArgumentParser:
     listing.add_argument("--limit", type=int, default=50)
     listing.add_argument("--offset", type=int, default=0)
     listing.add_argument("--metadata", help="filter: key=value[,key=value]")
+    listing.add_argument("--state", choices=["running", "finished"])
     listing.add_argument("--json", action="store_true", help="print the JSON as received")
     show = sub.add_parser("show", help="one session's tokens, segments and breaks")
     show.add_argument("session_id")
@@ -67,13 +68,17 @@ def _breaks(breaks: dict[str, int]) -> str:
 
 
 def print_list(data: dict[str, Any], out: TextIO) -> None:
-    header = f"{'session':<36} {'created':<19} {'turns':>5} {'segs':>4} {'tokens':>8}  breaks"
+    header = (
+        f"{'session':<36} {'created':<19} {'turns':>5} {'segs':>4} {'tokens':>8} "
+        f"{'state':<8} {'reward':>7}  breaks"
+    )
     print(header, file=out)
     for s in data["sessions"]:
         created = datetime.fromtimestamp(s["created_at"]).strftime("%Y-%m-%d %H:%M:%S")
+        reward = "-" if s["reward"] is None else f"{s['reward']:g}"
         print(
             f"{s['id']:<36} {created:<19} {s['turns']:>5} {s['segments']:>4} "
-            f"{s['tokens']:>8}  {_breaks(s['breaks'])}",
+            f"{s['tokens']:>8} {s['state']:<8} {reward:>7}  {_breaks(s['breaks'])}",
             file=out,
         )
     shown = len(data["sessions"])
@@ -138,8 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     out = sys.stdout
     if args.command == "list":
         params: dict[str, Any] = {"limit": args.limit, "offset": args.offset}
-        if args.metadata:
-            params["metadata"] = args.metadata
+        for name in ("metadata", "state"):
+            if getattr(args, name):
+                params[name] = getattr(args, name)
         data = _get(args, "/ui/api/sessions", params)
         if args.json:
             print(json.dumps(data), file=out)

@@ -9,7 +9,7 @@ markup; the Content-Security-Policy below forbids inline scripts as a second lin
 from __future__ import annotations
 
 from importlib.resources import files
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import RedirectResponse
@@ -88,17 +88,21 @@ async def list_sessions(
     limit: int = 50,
     q: str | None = None,
     metadata: str | None = None,
+    state: Literal["running", "finished"] | None = None,
 ) -> dict[str, Any]:
     """A page of sessions, newest first: counters from the store, no turn records read."""
     if offset < 0 or not 1 <= limit <= MAX_PAGE:
         raise APIError(400, f"offset >= 0 and 1 <= limit <= {MAX_PAGE}", param="limit")
     wanted = _metadata_filter(metadata)
-    rows = await request.app.state.turns.store.list_sessions()
+    store = request.app.state.turns.store
+    rows = await store.list_sessions()
+    finishes = {sid: finish for sid, _meta, finish in await store.list_finished(limit=len(rows))}
     matching = [
         (meta, counters)
         for meta, counters in rows
         if (not q or q in meta.session_id)
         and all(str(meta.metadata.get(k)) == v for k, v in wanted.items())
+        and (state is None or (meta.session_id in finishes) == (state == "finished"))
     ]
     matching.sort(key=lambda row: (-row[0].created_at, row[0].session_id))
     page = matching[offset : offset + limit]
@@ -115,6 +119,8 @@ async def list_sessions(
                 "segments": counters.segments,
                 "breaks": counters.breaks,
                 "tokens": counters.tokens,
+                "state": "finished" if meta.session_id in finishes else "running",
+                "reward": finish.reward if (finish := finishes.get(meta.session_id)) else None,
             }
             for meta, counters in page
         ],
@@ -139,11 +145,14 @@ async def session_view(session_id: str, request: Request) -> dict[str, Any]:
             ids = segment["token_ids"]
             segment["pieces"] = tokenizer.pieces(ids)
             segment["special"] = [1 if t in special else 0 for t in ids]
+    finish = await service.store.get_finish(session_id)
     return {
         "id": session_id,
         "created_at": meta.created_at,
         "metadata": meta.metadata,
         "model": service.config.model_name,
+        "state": "finished" if finish else "running",
+        "reward": finish.reward if finish else None,
         **export.summary(session_id, turns),
         "turn_tree": [
             {

@@ -69,12 +69,24 @@ function breaksText(breaks) {
 
 // --- the session list -------------------------------------------------------------------
 
+function stateSelect(current) {
+  const select = el("select", { name: "state" });
+  for (const [value, label] of [["", "any state"], ["running", "running"], ["finished", "finished"]]) {
+    const option = el("option", { value, text: label });
+    if (value === current) option.selected = true;
+    select.append(option);
+  }
+  return select;
+}
+
 async function showList() {
   crumb.textContent = "sessions";
   const params = new URLSearchParams(location.search);
   const offset = Math.max(0, parseInt(params.get("offset") || "0", 10) || 0);
   const query = new URLSearchParams({ offset: String(offset), limit: String(PAGE) });
-  for (const name of ["q", "metadata"]) if (params.get(name)) query.set(name, params.get(name));
+  for (const name of ["q", "metadata", "state"]) {
+    if (params.get(name)) query.set(name, params.get(name));
+  }
   const data = await api("/ui/api/sessions?" + query);
   const filter = el(
     "form",
@@ -85,6 +97,7 @@ async function showList() {
       placeholder: "metadata key=value,…",
       value: params.get("metadata") || "",
     }),
+    stateSelect(params.get("state") || ""),
     el("button", { type: "submit", text: "Filter" }),
   );
   const rows = data.sessions.map((s) =>
@@ -97,6 +110,8 @@ async function showList() {
       el("td", { class: "num", text: s.segments }),
       el("td", { text: breaksText(s.breaks) }),
       el("td", { class: "num", text: s.tokens }),
+      el("td", { text: s.state }),
+      el("td", { class: "num", text: s.reward === null ? "—" : String(s.reward) }),
       el("td", { class: "meta", text: JSON.stringify(s.metadata || {}) }),
     ),
   );
@@ -109,7 +124,17 @@ async function showList() {
       el(
         "tr",
         {},
-        ...["session", "created", "turns", "segments", "breaks", "tokens", "metadata"].map((h) =>
+        ...[
+          "session",
+          "created",
+          "turns",
+          "segments",
+          "breaks",
+          "tokens",
+          "state",
+          "reward",
+          "metadata",
+        ].map((h) =>
           el("th", { text: h }),
         ),
       ),
@@ -314,7 +339,8 @@ async function showSession(sessionId) {
     { class: "summary" },
     `${data.turns} turns · ${data.branches.length} branches · ${data.segments} segments · ` +
       `${data.tokens} tokens (${data.sampled_tokens} sampled) · breaks: ${breaksText(data.breaks)}` +
-      ` · model ${data.model}`,
+      ` · model ${data.model} · ${data.state}` +
+      (data.reward === null ? "" : ` · reward ${data.reward}`),
   );
   const view = el("div", { class: "branch-view" });
   const tree = el("nav", { class: "tree" });

@@ -83,6 +83,15 @@ def test_listing_pages_and_filters(live: Live, rich: str) -> None:
         assert [s["id"] for s in only_b["sessions"]] == ["list-b"]
         listed = http.get("/ui/api/sessions", params={"q": rich}).json()["sessions"][0]
         assert listed["turns"] == 4 and listed["breaks"] == {"assistant_message_not_sampled": 1}
+        finished = http.post("/sessions/list-a/finish", json={"reward": 0.5})
+        assert finished.status_code == 200, finished.text
+        done = http.get("/ui/api/sessions", params={"q": "list-", "state": "finished"}).json()
+        assert [(s["id"], s["state"], s["reward"]) for s in done["sessions"]] == [
+            ("list-a", "finished", 0.5)
+        ]
+        running = http.get("/ui/api/sessions", params={"q": "list-", "state": "running"})
+        assert [s["id"] for s in running.json()["sessions"]] == ["list-c", "list-b"]
+        assert http.get("/ui/api/sessions", params={"state": "done"}).status_code in (400, 422)
         assert http.get("/ui/api/sessions", params={"limit": 0}).status_code == 400
         assert http.get("/ui/api/sessions", params={"metadata": "nokey"}).status_code == 400
         assert http.get("/ui/api/sessions/missing-session").status_code == 404
