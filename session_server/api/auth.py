@@ -9,7 +9,8 @@
 - `tk-<session id>` is a credential only with `--session-id-keys`: anyone who knows a
   session id can derive it, so it is for trusted setups (a harness image that can only be
   given an API key and no prior `POST /sessions`).
-- `/healthz`, `/readyz` and `/metrics` need nothing.
+- `/healthz`, `/readyz` and `/metrics` need nothing, nor do the viewer's pages (`/ui/`,
+  `/ui/sessions/<id>`, `/ui/static/...`); the viewer's data (`/ui/api/...`) needs the admin key.
 
 With no admin key the server is in protected mode (as Redis is): loopback clients need no
 credentials (a development default), everyone else is refused, and `tokenkeep serve`
@@ -44,6 +45,15 @@ OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 ANY_CREDENTIAL_PATHS = frozenset({"/v1/models", "/tokenize", "/detokenize"})
 _SESSION_PATH = re.compile(r"^/sessions/([^/]*)/v1/")
 ID_KEY_PREFIX = "tk-"
+
+
+def is_open(path: str) -> bool:
+    """Probes, and the viewer's pages and static files: they hold no session data (the
+    viewer's data, `/ui/api/...`, needs the admin key like the export), and a browser must
+    load them before it can be given a key."""
+    if path in OPEN_PATHS or path == "/ui":
+        return True
+    return path.startswith("/ui/") and not path.startswith("/ui/api/")
 
 
 def issue_session_key(session_id: str) -> tuple[str, str]:
@@ -111,7 +121,7 @@ class Guard:
         self.service = service
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or is_open(scope["path"]):
             await self.app(scope, receive, send)
             return
         try:

@@ -207,3 +207,20 @@ def test_serve_refuses_a_public_address_without_keys(tmp_path: Path, double: Eng
     """Nothing is bound: the check comes before listening."""
     with pytest.raises(RuntimeError, match=r"refusing to listen on 0\.0\.0\.0"):
         start_server(tmp_path, double, "--host", "0.0.0.0")
+
+
+def test_viewer_pages_open_its_data_behind_the_admin_key(two_sessions: LiveServer) -> None:
+    """A browser loads the viewer before it can be given a key; the sessions it shows are
+    the export's data, so they need the admin key (a session key is not enough)."""
+    with two_sessions.client() as anonymous:
+        assert anonymous.get("/ui/").status_code == 200
+        assert anonymous.get("/ui/sessions/alice").status_code == 200
+        assert anonymous.get("/ui/static/viewer.js").status_code == 200
+        assert anonymous.get("/ui/api/sessions").status_code == 401
+        assert anonymous.get("/ui/api/sessions/alice").status_code == 401
+    with two_sessions.client(two_sessions.sessions["alice"]) as session_key:
+        assert session_key.get("/ui/api/sessions/alice").status_code == 403
+    with two_sessions.admin() as admin:
+        listed = admin.get("/ui/api/sessions").json()["sessions"]
+        assert {"alice", "bob"} <= {s["id"] for s in listed}
+        assert admin.get("/ui/api/sessions/alice").json()["turns"] == 1
