@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-integration engine lint venv
+.PHONY: demo test test-integration engine lint venv k8s-deps
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,7 +23,15 @@ demo: $(STAMP)
 engine: $(STAMP)
 	@if [ "$${TOKENKEEP_SKIP_VLLM:-0}" != 1 ]; then $(VENV)/bin/tokenkeep engine build-model; fi
 
-test: $(STAMP) engine
+# etcd and kubectl (Debian packages) for the operator's real-API-server tests
+# (tests/operator/test_real_cluster.py starts ../shared/k8s/start-cluster.sh with them).
+k8s-deps:
+	@command -v etcd >/dev/null && command -v kubectl >/dev/null || \
+		{ SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		  $$SUDO apt-get install -y -q etcd-server kubectl >/dev/null 2>&1 || \
+		  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q etcd-server kubectl >/dev/null; }; }
+
+test: $(STAMP) engine k8s-deps
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -ra
 

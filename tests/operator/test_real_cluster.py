@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -410,6 +411,53 @@ def test_a_failed_status_write_is_an_event_and_retried(
     finally:
         admin.patch(role_url, {"rules": rules})
     eventually(lambda: admin.get(ms_path(ns, "qwen3-8b")).get("status"), timeout=40)
+
+
+def test_lifecycle_with_a_restart_mid_reconcile(
+    admin: Api, ns: str, operator: OperatorProcess
+) -> None:
+    """Create, scale (the scale subresource, as an autoscaler does), update and delete; the
+    operator killed right after the create converges on restart without a second rollout."""
+    create_example(admin, ns, "modelserver-llama-70b-tp4.yaml")
+    time.sleep(0.3)
+    operator.stop(signal.SIGKILL)
+    operator.start()
+    eventually(lambda: operator.output().count("leading") >= 2, timeout=30)
+    create_example(admin, ns, "sessionserver.yaml", modelServerRef={"name": "llama-70b"})
+    eventually(lambda: deployment(admin, ns, "llama-70b-engine"))
+    eventually(lambda: deployment(admin, ns, "rollouts-sessions"))
+    replica_sets = admin.items(
+        path("apps/v1", "replicasets", ns), labelSelector="app.kubernetes.io/instance=llama-70b"
+    )
+    assert len(replica_sets) == 1
+
+    admin.patch(ms_path(ns, "llama-70b") + "/scale", {"spec": {"replicas": 2}})
+    eventually(
+        lambda: deployment(admin, ns, "llama-70b-engine")["spec"]["replicas"] == 2, timeout=10
+    )
+    scale = admin.get(ms_path(ns, "llama-70b") + "/scale")
+    assert scale["status"]["selector"], scale
+    admin.patch(ss_path(ns, "rollouts"), {"spec": {"replicas": 3}})
+    eventually(
+        lambda: deployment(admin, ns, "rollouts-sessions")["spec"]["replicas"] == 3, timeout=10
+    )
+    ss = eventually(
+        lambda: (
+            (s := admin.get(ss_path(ns, "rollouts")))["status"]["observedGeneration"]
+            == s["metadata"]["generation"]
+            and s
+        )
+    )
+    assert condition_of(ss, "Ready")["reason"] in {"ModelServerNotReady", "RedisNotReady"}
+
+    admin.delete(ss_path(ns, "rollouts"))
+    admin.delete(ms_path(ns, "llama-70b"))
+    # No finalizers: the garbage collector removes every owned child. The StatefulSet's own
+    # claim stays: its retention policy (Kubernetes 1.23+) is dropped by this 1.20 server.
+    eventually(
+        lambda: list(children(admin, ns)) == ["persistentvolumeclaims/data-rollouts-redis-0"],
+        timeout=30,
+    )
 
 
 def test_a_second_operator_stays_passive_until_the_first_stops(
