@@ -460,6 +460,33 @@ def test_lifecycle_with_a_restart_mid_reconcile(
     )
 
 
+def test_the_operator_rides_out_an_api_server_restart(
+    cluster: Cluster, admin: Api, ns: str, operator: OperatorProcess
+) -> None:
+    create_example(admin, ns, "modelserver-qwen3-8b.yaml")
+    eventually(lambda: deployment(admin, ns, "qwen3-8b-engine"))
+    cluster.restart_apiserver()
+
+    def edit_undone() -> bool:
+        assert operator.process is not None
+        if operator.process.poll() is not None:
+            # It could not renew its Lease for longer than the Lease lasts (4 s here), so it
+            # stopped, as it must: another replica may hold the Lease by now. The kubelet
+            # would restart it; so does the test.
+            assert operator.process.returncode == 1, operator.output()
+            assert "lost; stopping" in operator.output()
+            operator.start()
+        # Once its watches are back, a hand edit is undone as before.
+        admin.patch(
+            path("apps/v1", "deployments", ns, "qwen3-8b-engine"), {"spec": {"replicas": 4}}
+        )
+        return eventually(
+            lambda: deployment(admin, ns, "qwen3-8b-engine")["spec"]["replicas"] == 1, timeout=10
+        )
+
+    eventually(edit_undone, timeout=60, interval=1)
+
+
 def test_a_second_operator_stays_passive_until_the_first_stops(
     cluster: Cluster,
     admin: Api,
