@@ -203,6 +203,14 @@ class Cluster:
         except httpx.TransportError:
             return False
 
+    def kubectl(self, *args: str) -> str:
+        return subprocess.run(
+            ["kubectl", "--kubeconfig", str(self.kubeconfig), *args],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+
     def kubectl_apply(self, documents: list[dict[str, Any]]) -> None:
         text = yaml.safe_dump_all(documents)
         subprocess.run(

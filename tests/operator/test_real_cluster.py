@@ -138,7 +138,7 @@ def children(api: Api, ns: str) -> dict[str, dict[str, Any]]:
 
 
 def test_examples_get_their_children_status_and_events(
-    admin: Api, ns: str, operator: OperatorProcess
+    cluster: Cluster, admin: Api, ns: str, operator: OperatorProcess
 ) -> None:
     """Everything is created with controller owner references under the chart's RBAC (with
     OwnerReferencesPermissionEnforcement on), although 1.20 serves no policy/v1: the
@@ -175,6 +175,13 @@ def test_examples_get_their_children_status_and_events(
                 table["columnDefinitions"],
                 row,
             )
+
+    # `kubectl explain` has a description for every field.
+    for field in ("modelserver.spec", "modelserver.spec.engine", "sessionserver.spec.redis"):
+        explained = eventually(
+            lambda field=field: (out := cluster.kubectl("explain", field)) and "<empty>" not in out
+        )
+        assert explained
 
     # Start-up is progress, not a problem: Normal events, except the one skipped PDB each.
     for name in (ms["metadata"]["name"], ss["metadata"]["name"]):
