@@ -414,6 +414,8 @@ def test_a_failed_status_write_is_an_event_and_retried(
         )
         assert warning[0][0] == "Warning"
         assert "forbidden" in warning[0][2]
+        time.sleep(6)  # past the first retry: the same failure is not reported again
+        assert [e[1] for e in events(admin, ns, "qwen3-8b")].count("StatusWriteFailed") == 1
         assert deployment(admin, ns, "qwen3-8b-engine") is not None
     finally:
         admin.patch(role_url, {"rules": rules})
