@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-integration engine browser lint venv
+.PHONY: demo test test-integration engine browser lint venv k8s-deps
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,7 +28,15 @@ browser:
 	@command -v chromium >/dev/null || { apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
-test: $(STAMP) engine browser
+# etcd and kubectl (Debian packages) for the operator's real-API-server tests
+# (tests/operator/test_real_cluster.py starts ../shared/k8s/start-cluster.sh with them).
+k8s-deps:
+	@command -v etcd >/dev/null && command -v kubectl >/dev/null || \
+		{ SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		  $$SUDO apt-get install -y -q etcd-server kubectl >/dev/null 2>&1 || \
+		  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q etcd-server kubectl >/dev/null; }; }
+
+test: $(STAMP) engine browser k8s-deps
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -ra
 

@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         ).start()
     try:
         kopf.run(
-            standalone=True,
+            standalone=True,  # no Kopf peering: the Lease decides who works
             clusterwide=args.all_namespaces,
             namespaces=args.namespace or (),
             liveness_endpoint=args.liveness,

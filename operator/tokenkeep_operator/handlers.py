@@ -14,7 +14,6 @@ handlers write their progress into the resource.)
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import os
 from collections.abc import Hashable
@@ -31,6 +30,8 @@ from tokenkeep_operator.workqueue import WorkQueue
 
 MANAGED = {"app.kubernetes.io/managed-by": MANAGED_BY}
 OWNER_LABELS = {f"{GROUP}/modelserver": "ModelServer", f"{GROUP}/sessionserver": "SessionServer"}
+# Work-queue key kind: every SessionServer that uses the named ModelServer.
+USERS_OF = "SessionServersOf"
 # Seconds of quiet before a burst of child events becomes one reconcile.
 DEBOUNCE_SECONDS = float(os.environ.get("TOKENKEEP_OPERATOR_DEBOUNCE_SECONDS", "1"))
 
@@ -44,7 +45,11 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
 
     def work(key: Hashable) -> None:
         kind, namespace, name = key  # type: ignore[misc]
-        reconciler.reconcile(kind, namespace, name)
+        if kind == USERS_OF:
+            for session_server in reconciler.session_servers_using(namespace, name):
+                reconciler.reconcile("SessionServer", namespace, session_server)
+        else:
+            reconciler.reconcile(kind, namespace, name)
 
     memo.reconciler = reconciler
     memo.queue = WorkQueue(work, debounce=DEBOUNCE_SECONDS)
@@ -65,9 +70,7 @@ async def model_server_event(namespace: str, name: str, memo: kopf.Memo, **_: An
     """A SessionServer follows its ModelServer: one created late unblocks it, a changed
     served name reconfigures it, and its readiness explains the session server's."""
     memo.queue.add(("ModelServer", namespace, name))
-    users = await asyncio.to_thread(memo.reconciler.session_servers_using, namespace, name)
-    for session_server in users:
-        memo.queue.add(("SessionServer", namespace, session_server))
+    memo.queue.add((USERS_OF, namespace, name))
 
 
 @kopf.on.event(GROUP, VERSION, "sessionservers")

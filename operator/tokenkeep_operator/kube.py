@@ -38,8 +38,11 @@ COMPONENT = "tokenkeep-operator"
 logger = logging.getLogger(__name__)
 
 
-def error_message(error: client.ApiException) -> str:
-    """The API server's own message (from its Status body), else the HTTP reason."""
+def error_message(error: Exception) -> str:
+    """The API server's own message (from its Status body), else the HTTP reason, else
+    what the connection said."""
+    if not isinstance(error, client.ApiException):
+        return str(error)
     try:
         message = json.loads(error.body or "{}").get("message")
     except (ValueError, AttributeError):

@@ -22,6 +22,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from kubernetes.client import ApiException
+from urllib3.exceptions import HTTPError
 
 from tokenkeep_operator.kube import Kube, error_message
 
@@ -105,6 +106,9 @@ class LeaderElector:
         except ApiException as error:
             if error.status != 409:
                 logger.warning("lease %s/%s: %s", self.namespace, self.name, error_message(error))
+            return False
+        except (HTTPError, OSError) as error:  # the API server is unreachable: try again
+            logger.warning("lease %s/%s: %s", self.namespace, self.name, error)
             return False
 
     def wait_for_leadership(self, stop: threading.Event) -> bool:

@@ -131,6 +131,9 @@ class Reconciler:
         self._locks: defaultdict[tuple[str, str, str], threading.Lock] = defaultdict(threading.Lock)
         self._locks_guard = threading.Lock()
         self._skipped: set[tuple[str, str]] = set()
+        # The last status-write failure reported per resource uid: one Warning per failure
+        # state, not one per retry.
+        self._write_failures: dict[str, str] = {}
 
     def _lock(self, kind: str, namespace: str, name: str) -> threading.Lock:
         """One reconcile per resource at a time, so that an older observation never
@@ -216,8 +219,11 @@ class Reconciler:
             if error.status == 404:
                 return  # deleted meanwhile: nothing to report on
             message = f"status not written: {error_message(error)}"
-            self.kube.post_event(body, "Warning", "StatusWriteFailed", message)
+            if self._write_failures.get(meta["uid"]) != message:
+                self._write_failures[meta["uid"]] = message
+                self.kube.post_event(body, "Warning", "StatusWriteFailed", message)
             raise StatusWriteError(message) from error
+        self._write_failures.pop(meta["uid"], None)
         event = event_for(new["conditions"], old_conditions)
         if event:
             self.kube.post_event(body, *event)

@@ -199,7 +199,6 @@ def progress(workload: Workload, desired: int) -> str:
 @dataclass(frozen=True)
 class Rollout:
     desired: int
-    replicas: int
     ready: int
     rolled_out: bool
     stalled: bool
@@ -220,7 +219,6 @@ def rollout(controller: dict[str, Any], desired: int) -> Rollout:
     )
     return Rollout(
         desired=desired,
-        replicas=replicas,
         ready=status.get("readyReplicas", 0),
         rolled_out=rolled_out,
         stalled=stalled,

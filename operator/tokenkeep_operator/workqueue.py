@@ -18,6 +18,8 @@ import logging
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
+from tokenkeep_operator.kube import error_message
+
 logger = logging.getLogger(__name__)
 
 
@@ -82,7 +84,7 @@ class WorkQueue:
         except Exception as error:
             slot.failures += 1
             retry = min(self.backoff * 2 ** (slot.failures - 1), self.max_backoff)
-            logger.warning("%s: %s; retrying in %.0f s", key, error, retry)
+            logger.warning("%s: %s; retrying in %.0f s", key, error_message(error), retry)
         finally:
             slot.running = False
         if slot.again:

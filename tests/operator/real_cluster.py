@@ -148,6 +148,14 @@ def without_cel(document: Any) -> Any:
     return document
 
 
+def _alive(pid: int) -> bool:
+    """Running (not gone, not a zombie that nobody has reaped yet)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
 class Cluster:
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
@@ -171,6 +179,37 @@ class Cluster:
 
     def stop(self) -> None:
         subprocess.run([str(self.scripts / "stop-cluster.sh"), str(self.run_dir)], check=False)
+
+    def restart_apiserver(self) -> None:
+        """Stop kube-apiserver and start it again with the same command line (etcd, and so
+        every object, stays)."""
+        pid_file = self.run_dir / "apiserver.pid"
+        pid = int(pid_file.read_text())
+        command = Path(f"/proc/{pid}/cmdline").read_bytes().rstrip(b"\0").split(b"\0")
+        os.kill(pid, signal.SIGTERM)
+        try:
+            eventually(lambda: not _alive(pid), timeout=10)
+        except AssertionError:
+            os.kill(pid, signal.SIGKILL)  # as stop-cluster.sh does
+            eventually(lambda: not _alive(pid), timeout=10)
+        log = (self.run_dir / "apiserver.log").open("ab")
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        pid_file.write_text(str(process.pid))
+        eventually(self._ready, timeout=90, interval=1)
+
+    def _ready(self) -> bool:
+        try:
+            return self.admin.client.get("/readyz").status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def kubectl(self, *args: str) -> str:
+        return subprocess.run(
+            ["kubectl", "--kubeconfig", str(self.kubeconfig), *args],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
 
     def kubectl_apply(self, documents: list[dict[str, Any]]) -> None:
         text = yaml.safe_dump_all(documents)
@@ -279,6 +318,8 @@ class OperatorProcess:
             "operator",
             "--all-namespaces",
             f"--lease-namespace={OPERATOR_NAMESPACE}",
+            # Short, so that taking over from a killed operator takes seconds, not 15.
+            "--lease-duration=4",
             *extra,
         ]
         self.env = {

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -137,7 +138,7 @@ def children(api: Api, ns: str) -> dict[str, dict[str, Any]]:
 
 
 def test_examples_get_their_children_status_and_events(
-    admin: Api, ns: str, operator: OperatorProcess
+    cluster: Cluster, admin: Api, ns: str, operator: OperatorProcess
 ) -> None:
     """Everything is created with controller owner references under the chart's RBAC (with
     OwnerReferencesPermissionEnforcement on), although 1.20 serves no policy/v1: the
@@ -174,6 +175,13 @@ def test_examples_get_their_children_status_and_events(
                 table["columnDefinitions"],
                 row,
             )
+
+    # `kubectl explain` has a description for every field.
+    for field in ("modelserver.spec", "modelserver.spec.engine", "sessionserver.spec.redis"):
+        explained = eventually(
+            lambda field=field: (out := cluster.kubectl("explain", field)) and "<empty>" not in out
+        )
+        assert explained
 
     # Start-up is progress, not a problem: Normal events, except the one skipped PDB each.
     for name in (ms["metadata"]["name"], ss["metadata"]["name"]):
@@ -406,10 +414,86 @@ def test_a_failed_status_write_is_an_event_and_retried(
         )
         assert warning[0][0] == "Warning"
         assert "forbidden" in warning[0][2]
+        time.sleep(6)  # past the first retry: the same failure is not reported again
+        assert [e[1] for e in events(admin, ns, "qwen3-8b")].count("StatusWriteFailed") == 1
         assert deployment(admin, ns, "qwen3-8b-engine") is not None
     finally:
         admin.patch(role_url, {"rules": rules})
     eventually(lambda: admin.get(ms_path(ns, "qwen3-8b")).get("status"), timeout=40)
+
+
+def test_lifecycle_with_a_restart_mid_reconcile(
+    admin: Api, ns: str, operator: OperatorProcess
+) -> None:
+    """Create, scale (the scale subresource, as an autoscaler does), update and delete; the
+    operator killed right after the create converges on restart without a second rollout."""
+    create_example(admin, ns, "modelserver-llama-70b-tp4.yaml")
+    time.sleep(0.3)
+    operator.stop(signal.SIGKILL)
+    operator.start()
+    eventually(lambda: operator.output().count("leading") >= 2, timeout=30)
+    create_example(admin, ns, "sessionserver.yaml", modelServerRef={"name": "llama-70b"})
+    eventually(lambda: deployment(admin, ns, "llama-70b-engine"))
+    eventually(lambda: deployment(admin, ns, "rollouts-sessions"))
+    replica_sets = admin.items(
+        path("apps/v1", "replicasets", ns), labelSelector="app.kubernetes.io/instance=llama-70b"
+    )
+    assert len(replica_sets) == 1
+
+    admin.patch(ms_path(ns, "llama-70b") + "/scale", {"spec": {"replicas": 2}})
+    eventually(
+        lambda: deployment(admin, ns, "llama-70b-engine")["spec"]["replicas"] == 2, timeout=10
+    )
+    scale = admin.get(ms_path(ns, "llama-70b") + "/scale")
+    assert scale["status"]["selector"], scale
+    admin.patch(ss_path(ns, "rollouts"), {"spec": {"replicas": 3}})
+    eventually(
+        lambda: deployment(admin, ns, "rollouts-sessions")["spec"]["replicas"] == 3, timeout=10
+    )
+    ss = eventually(
+        lambda: (
+            (s := admin.get(ss_path(ns, "rollouts")))["status"]["observedGeneration"]
+            == s["metadata"]["generation"]
+            and s
+        )
+    )
+    assert condition_of(ss, "Ready")["reason"] in {"ModelServerNotReady", "RedisNotReady"}
+
+    admin.delete(ss_path(ns, "rollouts"))
+    admin.delete(ms_path(ns, "llama-70b"))
+    # No finalizers: the garbage collector removes every owned child. The StatefulSet's own
+    # claim stays: its retention policy (Kubernetes 1.23+) is dropped by this 1.20 server.
+    eventually(
+        lambda: list(children(admin, ns)) == ["persistentvolumeclaims/data-rollouts-redis-0"],
+        timeout=30,
+    )
+
+
+def test_the_operator_rides_out_an_api_server_restart(
+    cluster: Cluster, admin: Api, ns: str, operator: OperatorProcess
+) -> None:
+    create_example(admin, ns, "modelserver-qwen3-8b.yaml")
+    eventually(lambda: deployment(admin, ns, "qwen3-8b-engine"))
+    cluster.restart_apiserver()
+
+    def edit_undone() -> bool:
+        assert operator.process is not None
+        if operator.process.poll() is not None:
+            # It could not renew its Lease for longer than the Lease lasts (4 s here), so it
+            # stopped, as it must: another replica may hold the Lease by now. The kubelet
+            # would restart it; so does the test.
+            assert operator.process.returncode == 1, operator.output()
+            assert "lost; stopping" in operator.output()
+            operator.start()
+        # Once its watches are back, a hand edit is undone as before.
+        admin.patch(
+            path("apps/v1", "deployments", ns, "qwen3-8b-engine"), {"spec": {"replicas": 4}}
+        )
+        return eventually(
+            lambda: deployment(admin, ns, "qwen3-8b-engine")["spec"]["replicas"] == 1, timeout=10
+        )
+
+    eventually(edit_undone, timeout=60, interval=1)
 
 
 def test_a_second_operator_stays_passive_until_the_first_stops(
