@@ -496,6 +496,35 @@ def test_the_operator_rides_out_an_api_server_restart(
     eventually(edit_undone, timeout=60, interval=1)
 
 
+def test_sessionserver_gets_a_generated_admin_key(
+    admin: Api, ns: str, operator: OperatorProcess
+) -> None:
+    """Without apiKeySecretRef the operator creates `<name>-admin-key` once, as the chart's
+    ServiceAccount (create-only on Secrets, under owner-reference enforcement), hands it to
+    the session server's pods, and never rewrites it on later reconciles."""
+    create_example(admin, ns, "modelserver-qwen3-8b.yaml")
+    body = load_example("sessionserver.yaml")
+    body["metadata"]["namespace"] = ns
+    del body["spec"]["apiKeySecretRef"]
+    admin.create(ss_path(ns), body)
+    secret_url = path("v1", "secrets", ns, "rollouts-admin-key")
+    secret = eventually(lambda: admin.get(secret_url))
+    key = secret["data"]["admin-key"]
+    assert len(key) >= 40
+    assert [r["kind"] for r in secret["metadata"]["ownerReferences"]] == ["SessionServer"]
+    sessions = eventually(lambda: deployment(admin, ns, "rollouts-sessions"))
+    env = sessions["spec"]["template"]["spec"]["containers"][0]["env"]
+    admin_env = next(e for e in env if e["name"] == "TOKENKEEP_ADMIN_KEY")
+    assert admin_env["valueFrom"]["secretKeyRef"] == {
+        "name": "rollouts-admin-key",
+        "key": "admin-key",
+    }
+    admin.patch(ss_path(ns, "rollouts"), {"spec": {"replicas": 1}})
+    eventually(lambda: deployment(admin, ns, "rollouts-sessions")["spec"]["replicas"] == 1)
+    assert admin.get(secret_url)["data"]["admin-key"] == key
+    assert conditions(admin.get(ss_path(ns, "rollouts")))["Degraded"][0] == "False"
+
+
 def test_a_second_operator_stays_passive_until_the_first_stops(
     cluster: Cluster,
     admin: Api,
