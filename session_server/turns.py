@@ -228,10 +228,7 @@ class TurnService:
         try:
             return await attempt()
         except SessionNotFound:
-            stale = self._sessions.pop(session_id, None)
-            if stale is None or stale.key_hash:
-                # A session issued a key was created on purpose: gone means gone, and its
-                # key must not bring it back.
+            if self._sessions.pop(session_id, None) is None:
                 raise
             self._records.pop(session_id, None)
             return await attempt()
