@@ -29,6 +29,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from session_server.api import errors
 from session_server.api.session_ids import (
+    API_KEY_PREFIX,
     SESSION_KEY_PREFIX,
     InvalidSessionId,
     check_session_id,
@@ -41,7 +42,6 @@ from session_server.turns import SessionMissing, TurnService
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 ANY_CREDENTIAL_PATHS = frozenset({"/v1/models", "/tokenize", "/detokenize"})
 _SESSION_PATH = re.compile(r"^/sessions/([^/]*)/v1/")
-ID_KEY_PREFIX = "tk-"
 
 
 def issue_session_key(session_id: str) -> tuple[str, str]:
@@ -120,8 +120,8 @@ class Guard:
 
     async def _key_session(self, key: str) -> str | None:
         """The session a session credential opens, or None if it opens nothing."""
-        if key.startswith(ID_KEY_PREFIX) and self.settings.session_id_keys:
-            return key[len(ID_KEY_PREFIX) :]
+        if key.startswith(API_KEY_PREFIX) and self.settings.session_id_keys:
+            return key[len(API_KEY_PREFIX) :]
         session_id = session_of_key(key)
         if session_id is None:
             return None
