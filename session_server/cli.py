@@ -96,9 +96,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 def serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from session_server.api.auth import listen_problem, log_mode
-    from session_server.app import GracefulServer, create_app
-    from session_server.settings import Settings
+    from session_server.settings import Settings, listen_problem, log_mode
 
     overrides = {
         k: v for k, v in vars(args).items() if v is not None and k in Settings.model_fields
@@ -113,6 +111,8 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(message)s")
     log_mode(settings)
+    from session_server.app import GracefulServer, create_app
+
     app = create_app(settings)
     if settings.startup_check:
         _start_check(app.state.turns, settings)

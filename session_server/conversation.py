@@ -336,7 +336,8 @@ def check_normalization_cost(conversation: Conversation, rules: list[Rule]) -> N
     if worst > NORMALIZATION_BUDGET:
         raise ConversationError(
             f"this session's {len(rules)} normalization rule(s) cannot be applied to "
-            f"{chars} characters of messages (limit {NORMALIZATION_BUDGET} characters "
-            f"times rules times {MAX_RULE_MATCHES + 1} searches)",
+            f"{chars} characters of messages: at most "
+            f"{NORMALIZATION_BUDGET // (len(rules) * (MAX_RULE_MATCHES + 1))} characters "
+            f"with {len(rules)} rule(s)",
             param="messages",
         )

@@ -3,7 +3,9 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import logging
 from typing import Annotated, Any
 
 from pydantic import AliasChoices, Field, field_validator
@@ -92,3 +94,46 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return json.loads(value) if value.strip() else {}
         return value
+
+
+# --- protected mode (see session_server.api.auth); here so that `tokenkeep serve` can refuse
+# to start before importing the server.
+
+
+def is_loopback(host: str | None) -> bool:
+    if not host:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.split("%")[0]).is_loopback
+    except ValueError:
+        return False
+
+
+def listen_problem(settings: Settings) -> str | None:
+    """Why `tokenkeep serve` must not start with these settings (protected mode), or None."""
+    if settings.admin_key or settings.insecure or is_loopback(settings.host):
+        return None
+    return (
+        f"refusing to listen on {settings.host} without credentials: set an admin key "
+        "(--admin-key / TOKENKEEP_ADMIN_KEY), or pass --insecure to let anyone who can reach "
+        "this address use every session"
+    )
+
+
+def log_mode(settings: Settings) -> None:
+    """The one start-up log line that says how requests are authenticated (a warning
+    wherever something is left open)."""
+    log = logging.getLogger("tokenkeep")
+    if settings.admin_key and not settings.session_id_keys:
+        log.info("auth: admin key and per-session keys required")
+    elif settings.admin_key:
+        log.warning("auth: admin key and per-session keys required; tk-<session id> keys accepted")
+    elif settings.insecure:
+        log.warning("auth: INSECURE: no credentials checked, for any client (--insecure)")
+    else:
+        log.warning(
+            "auth: protected mode: no admin key configured, so loopback clients are answered "
+            "without credentials and all other clients are refused"
+        )

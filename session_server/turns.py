@@ -228,19 +228,21 @@ class TurnService:
 
     # --- planning ---------------------------------------------------------------------
 
-    def check_fits(self, chars: int, param: str = "messages") -> None:
-        """Refuse text that cannot fit the context before spending time tokenizing it."""
+    def check_fits(self, chars: int, messages: int = 0, param: str = "messages") -> None:
+        """Refuse what cannot fit the context before spending time tokenizing it: more
+        characters than the context's tokens can carry, or more messages than tokens (every
+        template marks each message with at least one token)."""
         limit = self.config.max_text_chars
-        if limit is not None and chars > limit:
+        context = self.config.context_length
+        if (limit is not None and chars > limit) or messages > context:
+            what = f"{messages} messages" if messages > context else f"{chars} characters"
             raise ConversationError(
-                f"{chars} characters cannot fit the model's context of "
-                f"{self.config.context_length} tokens",
-                param=param,
+                f"{what} cannot fit the model's context of {context} tokens", param=param
             )
 
     async def plan(self, session_id: str, conversation: Conversation) -> Plan:
         validate(conversation)
-        self.check_fits(text_chars(conversation))
+        self.check_fits(text_chars(conversation), len(conversation.messages))
         return await self._fresh_session_retry(
             session_id, lambda: self._plan_messages(session_id, conversation)
         )
@@ -253,10 +255,7 @@ class TurnService:
         try:
             return await attempt()
         except SessionNotFound:
-            stale = self._sessions.pop(session_id, None)
-            if stale is None or stale.key_hash:
-                # A session issued a key was created on purpose: gone means gone, and its
-                # key must not bring it back.
+            if self._sessions.pop(session_id, None) is None:
                 raise
             self._records.pop(session_id, None)
             return await attempt()

@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
-import logging
 import re
 import secrets
 from typing import Any
@@ -32,19 +30,19 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from session_server.api import errors
 from session_server.api.session_ids import (
+    API_KEY_PREFIX,
     SESSION_KEY_PREFIX,
     InvalidSessionId,
     check_session_id,
     presented_key,
     session_of_key,
 )
-from session_server.settings import Settings
+from session_server.settings import Settings, is_loopback
 from session_server.turns import SessionMissing, TurnService
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 ANY_CREDENTIAL_PATHS = frozenset({"/v1/models", "/tokenize", "/detokenize"})
 _SESSION_PATH = re.compile(r"^/sessions/([^/]*)/v1/")
-ID_KEY_PREFIX = "tk-"
 
 
 def is_open(path: str) -> bool:
@@ -70,45 +68,6 @@ def key_digest(key: str) -> str:
 def _same(a: str, b: str) -> bool:
     encoded = [s.encode("utf-8", "surrogatepass") for s in (a, b)]
     return hmac.compare_digest(encoded[0], encoded[1])
-
-
-def is_loopback(host: str | None) -> bool:
-    if not host:
-        return False
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host.split("%")[0]).is_loopback
-    except ValueError:
-        return False
-
-
-def listen_problem(settings: Settings) -> str | None:
-    """Why `tokenkeep serve` must not start with these settings (protected mode), or None."""
-    if settings.admin_key or settings.insecure or is_loopback(settings.host):
-        return None
-    return (
-        f"refusing to listen on {settings.host} without credentials: set an admin key "
-        "(--admin-key / TOKENKEEP_ADMIN_KEY), or pass --insecure to let anyone who can reach "
-        "this address use every session"
-    )
-
-
-def log_mode(settings: Settings) -> None:
-    """The one start-up log line that says how requests are authenticated (a warning
-    wherever something is left open)."""
-    log = logging.getLogger("tokenkeep")
-    if settings.admin_key and not settings.session_id_keys:
-        log.info("auth: admin key and per-session keys required")
-    elif settings.admin_key:
-        log.warning("auth: admin key and per-session keys required; tk-<session id> keys accepted")
-    elif settings.insecure:
-        log.warning("auth: INSECURE: no credentials checked, for any client (--insecure)")
-    else:
-        log.warning(
-            "auth: protected mode: no admin key configured, so loopback clients are answered "
-            "without credentials and all other clients are refused"
-        )
 
 
 class Guard:
@@ -171,8 +130,8 @@ class Guard:
 
     async def _key_session(self, key: str) -> str | None:
         """The session a session credential opens, or None if it opens nothing."""
-        if key.startswith(ID_KEY_PREFIX) and self.settings.session_id_keys:
-            return key[len(ID_KEY_PREFIX) :]
+        if key.startswith(API_KEY_PREFIX) and self.settings.session_id_keys:
+            return key[len(API_KEY_PREFIX) :]
         session_id = session_of_key(key)
         if session_id is None:
             return None

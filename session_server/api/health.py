@@ -83,7 +83,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         conversation = to_conversation(
             ChatCompletionRequest(messages=body.messages or [], tools=body.tools)
         )
-        service.check_fits(text_chars(conversation))
+        service.check_fits(text_chars(conversation), len(conversation.messages))
         tokens = model.render_prompt(conversation.messages, conversation.tools)
     config = service.config
     return {"count": len(tokens), "max_model_len": config.context_length, "tokens": tokens}

@@ -481,7 +481,7 @@ async def _count_tokens(session_id: str, wire: CountTokensRequest, request: Requ
     service = request.app.state.turns
     request.state.session_id = session_id
     request.state.api = "messages"
-    service.check_fits(text_chars(conversation))
+    service.check_fits(text_chars(conversation), len(conversation.messages))
     prompt = service.model.render_prompt(conversation.messages, conversation.tools)
     return {"input_tokens": len(prompt)}
 

@@ -13,7 +13,10 @@ import httpx
 import openai
 import pytest
 
+from session_server.app import create_app
+from session_server.settings import Settings
 from tests.engine_double import EngineDouble
+from tests.real_tokenizers import qwen3_dir
 from tests.security.conftest import (
     ADMIN_KEY,
     LiveServer,
@@ -224,3 +227,28 @@ def test_viewer_pages_open_its_data_behind_the_admin_key(two_sessions: LiveServe
         listed = admin.get("/ui/api/sessions").json()["sessions"]
         assert {"alice", "bob"} <= {s["id"] for s in listed}
         assert admin.get("/ui/api/sessions/alice").json()["turns"] == 1
+
+
+@pytest.mark.parametrize("insecure", [False, True])
+async def test_protected_mode_refuses_clients_that_are_not_loopback(
+    double: EngineDouble, insecure: bool
+) -> None:
+    """A remote peer cannot be made on loopback, so this one runs the app in-process with
+    the ASGI client address a remote peer would have."""
+    settings = Settings(
+        engine_urls=[double.url],
+        model=double.model,
+        tokenizer=str(qwen3_dir()),
+        context_length=double.max_model_len,
+        insecure=insecure,
+    )
+    transport = httpx.ASGITransport(app=create_app(settings), client=("192.0.2.7", 40000))
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as remote:
+        assert (await remote.get("/healthz")).status_code == 200
+        response = await remote.post("/sessions", json={"id": "remote"})
+        if insecure:
+            assert response.status_code == 201
+        else:
+            assert response.status_code == 403
+            assert response.json()["error"]["type"] == "permission_error"
+            assert "protected mode" in response.json()["error"]["message"]

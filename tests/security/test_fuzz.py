@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 
 from tests.security.conftest import LiveServer
 
-FUZZ_SECONDS = float(os.environ.get("TOKENKEEP_FUZZ_SECONDS", "60"))
+FUZZ_SECONDS = float(os.environ.get("TOKENKEEP_FUZZ_SECONDS", "45"))
 SESSION = "fuzz"
 MESSAGES = [{"role": "user", "content": "hi"}]
 BASES: dict[str, Any] = {
