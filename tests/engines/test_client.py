@@ -435,9 +435,23 @@ async def test_one_refused_connect_does_not_mark_a_live_engine_down(
     async with EngineClient(
         [engine_double.url], model=MODEL, health_interval_s=60, transport=transport
     ) as client:
+        # Refused once: its health check answers, so the replica stays in rotation, and the
+        # second round of attempts sends the same prompt to it again.
+        generation = await client.generate("s", PROMPT, SAMPLING)
+        assert generation.choices[0].token_ids == [4, IM_END]
+        assert transport.refusals == 0
+        assert client.replicas[0].healthy
+        assert len(engine_double.requests) == 1  # sent once, answered once: stored once
+
+
+async def test_a_replica_refusing_every_connect_gives_a_clean_503(
+    engine_double: EngineDouble,
+) -> None:
+    transport = RefuseFirstConnects(10)
+    async with EngineClient(
+        [engine_double.url], model=MODEL, health_interval_s=60, transport=transport
+    ) as client:
         with pytest.raises(EngineError) as raised:
             await client.generate("s", PROMPT, SAMPLING)
         assert raised.value.status == 503
-        # Its health check answered: the replica stays in rotation and serves the next turn.
-        assert client.replicas[0].healthy
-        assert (await client.generate("s", PROMPT, SAMPLING)).choices[0].token_ids == [4, IM_END]
+        assert engine_double.requests == []
