@@ -53,6 +53,9 @@ def serve(args: argparse.Namespace) -> int:
         print("tokenkeep serve: give --engine-url (or TOKENKEEP_ENGINE_URLS)", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(message)s")
+    # httpx logs every engine request at INFO: a second line per turn, formatted on the
+    # request path, next to tokenkeep's own access log.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.root.level))
     app = create_app(settings)
     uvicorn.run(
         app,

@@ -48,7 +48,10 @@ def run_two_turns(stack: Stack, scenario: Scenario, session_id: str) -> dict[str
     history = [*history, echoed, *_next_messages(first.choices[0].message, scenario)]
     stack.double.script(ScriptedCompletion(model.encode("Done.") + model.stop_token_ids[:1]))
     second = client.chat.completions.create(
-        model="m", messages=history, **({"tools": tools} if tools else {})
+        model="m",
+        messages=history,
+        extra_body={"return_token_ids": True},
+        **({"tools": tools} if tools else {}),
     )
     prompt1, prompt2 = stack.prompts()[-2:]
     return {

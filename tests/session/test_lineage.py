@@ -46,7 +46,9 @@ def test_n2_each_choice_is_a_turn_and_either_can_be_continued(stack: Stack) -> N
     a = tokens(stack.model, "Option", " A", END)
     b = tokens(stack.model, "Opt", "ion B", END)
     stack.double.script(ScriptedCompletion(a), ScriptedCompletion(b))
-    both = client.chat.completions.create(model="m", messages=USER, n=2)
+    both = client.chat.completions.create(
+        model="m", messages=USER, n=2, extra_body={"return_token_ids": True}
+    )
     assert [c.token_ids for c in both.choices] == [a, b]
     _say(stack, "OK")
     chosen = reply_as_harness_sends(both.choices[1].message)
