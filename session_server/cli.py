@@ -111,6 +111,9 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(message)s")
     log_mode(settings)
+    # httpx logs every engine request at INFO: a second line per turn, formatted on the
+    # request path, next to tokenkeep's own access log.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.root.level))
     from session_server.app import GracefulServer, create_app
 
     app = create_app(settings)

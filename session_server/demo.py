@@ -175,7 +175,7 @@ def drive(base_url: str, model_dir: Path, *, seed: int | None = None) -> dict[st
             )
         else:
             shown = repr((message.content or "")[:60])
-        completion = len(reply.choices[0].model_extra.get("token_ids") or [])
+        completion = reply.usage.completion_tokens if reply.usage else 0
         print(
             f"  turn {step + 1}: {info.get('kind', '?'):7} prompt {reply.usage.prompt_tokens:4d}"
             f" + sampled {completion:3d} tokens -> {shown}"

@@ -130,6 +130,9 @@ class _Call:
     sampling: dict[str, Any]
     reasoning_ended: bool | None
     stream: bool
+    prompt_json: bytes = b""
+    """The prompt as a JSON array, encoded once: sent as is, and compared byte for byte
+    with the prompt the engine echoes (empty: encode with the body, compare decoded)."""
 
 
 class Protocol(Enum):
@@ -236,7 +239,7 @@ class EngineClient:
         *,
         model: str,
         timeout_s: float = 600,
-        connect_timeout_s: float = 5.0,
+        connect_timeout_s: float = 30.0,
         health_interval_s: float = 5.0,
         max_connections: int = 1024,
         transport: httpx.AsyncBaseTransport | None = None,
@@ -252,7 +255,10 @@ class EngineClient:
         self._discover = discover
         self._replicas = {url: Replica(url) for url in self._configured}
         # Waiting for a free connection is queueing behind a burst, not a failure: the pool
-        # wait gets the whole request timeout, only the TCP connect is short.
+        # wait gets the whole request timeout. The connect timeout is generous too: it runs
+        # on this process's event loop, and while a burst of requests keeps the loop busy
+        # for seconds it expires although the connection was made (a dead engine is found
+        # by its health check, not by this timeout).
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s, pool=timeout_s),
             limits=httpx.Limits(
@@ -429,7 +435,9 @@ class EngineClient:
         /generate applies none of the model's generation_config defaults. `reasoning_ended`
         (token endpoint only) makes structured outputs apply from the first token under a
         reasoning parser."""
-        call = _Call(session_id, prompt_ids, sampling, reasoning_ended, stream=False)
+        call = _Call(
+            session_id, prompt_ids, sampling, reasoning_ended, False, orjson.dumps(prompt_ids)
+        )
         started = time.perf_counter()
         last_error: EngineError | None = None
         for replica in self._attempts(session_id):
@@ -461,7 +469,9 @@ class EngineClient:
         before the first chunk move to the next replica; after it they raise `EngineError`.
         Closing the iterator early (`async with contextlib.aclosing(client.stream(...))`)
         closes the connection, which makes vLLM abort the request."""
-        call = _Call(session_id, prompt_ids, sampling, reasoning_ended, stream=True)
+        call = _Call(
+            session_id, prompt_ids, sampling, reasoning_ended, True, orjson.dumps(prompt_ids)
+        )
         last_error: EngineError | None = None
         for replica in self._attempts(session_id):
             replica.inflight += 1
@@ -488,7 +498,7 @@ class EngineClient:
         )
         started = False
         try:
-            async for chunk in _sse_payloads(response, replica.url):
+            async for chunk in _sse_payloads(response, replica.url, _echo_check(replica, call)):
                 prompt_ids_seen, deltas = parse(chunk)
                 if not started:
                     started = True
@@ -521,11 +531,12 @@ class EngineClient:
         params = dict(call.sampling)
         if params.get("logprobs") is None:
             params["logprobs"] = 0  # the sampled token's logprob, no alternatives
+        prompt: Any = orjson.Fragment(call.prompt_json) if call.prompt_json else call.prompt_ids
         if replica.protocol is Protocol.GENERATE:
             body = {
                 "request_id": request_id,
                 "model": self.model,
-                "token_ids": call.prompt_ids,
+                "token_ids": prompt,
                 "sampling_params": params,
                 "return_token_ids": True,
                 "stream": call.stream,
@@ -537,7 +548,7 @@ class EngineClient:
             **params,
             "request_id": request_id,
             "model": self.model,
-            "prompt": call.prompt_ids,
+            "prompt": prompt,
             "return_token_ids": True,
             "stream": call.stream,
         }
@@ -607,7 +618,7 @@ class EngineClient:
         # The body echoes the whole prompt (O(history) integers, checked by the caller):
         # orjson decodes it several times faster than the standard library.
         try:
-            payload = orjson.loads(body)
+            payload = _loads(body, _echo_check(replica, call))
         except orjson.JSONDecodeError as exc:
             raise _Retryable(
                 EngineError(502, f"engine {replica.url} sent invalid JSON", "EngineProtocolError"),
@@ -621,19 +632,63 @@ class EngineClient:
 # --- wire parsing -----------------------------------------------------------------------
 
 
-async def _sse_payloads(response: httpx.Response, url: str) -> AsyncIterator[dict[str, Any]]:
+_ECHO_KEY = b'"prompt_token_ids":'
+
+
+def _echo_check(replica: Replica, call: _Call) -> _Call | None:
+    # /generate echoes the prompt at the top level; the completions fallback per choice.
+    return call if replica.protocol is Protocol.GENERATE and call.prompt_json else None
+
+
+def _loads(raw: bytes, sent: _Call | None) -> Any:
+    """`orjson.loads(raw)`, except that an echoed top-level `prompt_token_ids` array that is
+    byte for byte the one sent is not decoded: the payload gets the sent list itself. The
+    echo is O(history) integers per turn and decoding them was the largest single cost of
+    a served turn at long histories; comparing bytes proves the same thing. An echo that
+    differs, or is formatted differently, is decoded and compared by the caller as before.
+    (Inside a JSON string every quote is escaped, so the key found is a real key.)"""
+    if sent is not None:
+        at = raw.find(_ECHO_KEY)
+        start = at + len(_ECHO_KEY)
+        if at >= 0 and raw.startswith(sent.prompt_json, start):
+            payload = orjson.loads(raw[:start] + b"null" + raw[start + len(sent.prompt_json) :])
+            if isinstance(payload, dict) and "prompt_token_ids" in payload:
+                payload["prompt_token_ids"] = sent.prompt_ids
+                return payload
+    return orjson.loads(raw)
+
+
+async def _sse_lines(response: httpx.Response) -> AsyncIterator[bytes]:
+    """The body's lines as bytes (httpx's text lines would decode the first chunk's echoed
+    prompt to str only for it to be encoded again)."""
+    buffer = bytearray()
+    async for chunk in response.aiter_bytes():
+        scanned = len(buffer)
+        buffer += chunk
+        start = 0
+        while (end := buffer.find(b"\n", max(start, scanned))) >= 0:
+            yield bytes(buffer[start:end]).rstrip(b"\r")
+            start = end + 1
+        del buffer[:start]
+    if buffer:
+        yield bytes(buffer)
+
+
+async def _sse_payloads(
+    response: httpx.Response, url: str, sent: _Call | None = None
+) -> AsyncIterator[dict[str, Any]]:
     """The JSON payloads of an SSE body, up to `data: [DONE]`. vLLM sends single-line
     `data:` events only. An error event or a body that ends without [DONE] raises
     `_Retryable` (the caller decides whether a token already went out)."""
     try:
-        async for line in response.aiter_lines():
-            if not line.startswith("data:"):
+        async for line in _sse_lines(response):
+            if not line.startswith(b"data:"):
                 continue  # blank separators, comments, other fields
             data = line[5:].strip()
-            if data == "[DONE]":
+            if data == b"[DONE]":
                 return
             try:
-                payload = orjson.loads(data)
+                payload = _loads(data, sent)
             except orjson.JSONDecodeError:
                 payload = None
             if not isinstance(payload, dict):
@@ -645,7 +700,7 @@ async def _sse_payloads(response: httpx.Response, url: str) -> AsyncIterator[dic
                 )
             if (error_info := payload.get("error")) is not None and not payload.get("choices"):
                 code = error_info.get("code") if isinstance(error_info, dict) else None
-                error = _engine_error(200, data.encode())
+                error = _engine_error(200, data)
                 error.status = _client_status(code if isinstance(code, int) else 500)
                 if error.status < 500:
                     raise error

@@ -455,3 +455,40 @@ async def test_a_replica_refusing_every_connect_gives_a_clean_503(
             await client.generate("s", PROMPT, SAMPLING)
         assert raised.value.status == 503
         assert engine_double.requests == []
+
+
+class AlterEcho(httpx.AsyncBaseTransport):
+    """A fault double: rewrites the first token of the prompt the engine echoes (a real
+    engine that mangles its input cannot be had on demand); everything goes over real TCP."""
+
+    def __init__(self) -> None:
+        self.real = httpx.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.real.handle_async_request(request)
+        if request.url.path != GENERATE_PATH:
+            return response
+        body = await response.aread()
+        altered = body.replace(b'"prompt_token_ids":[151644,', b'"prompt_token_ids":[151643,')
+        return httpx.Response(response.status_code, headers=response.headers, content=altered)
+
+    async def aclose(self) -> None:
+        await self.real.aclose()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_echoed_prompt_is_reported_as_the_engine_sent_it(
+    engine_double: EngineDouble, stream: bool
+) -> None:
+    engine_double.default = lambda prompt, sampling: ScriptedCompletion([4, IM_END])
+
+    async def reported(client: EngineClient) -> list[int] | None:
+        if not stream:
+            return (await client.generate("s", PROMPT, SAMPLING)).prompt_ids
+        events = await collect(client.stream("s", PROMPT, SAMPLING))
+        return next(e for e in events if isinstance(e, StreamStart)).prompt_ids
+
+    async with EngineClient([engine_double.url], model=MODEL) as client:
+        assert await reported(client) == PROMPT  # the echo equals the sent bytes
+    async with EngineClient([engine_double.url], model=MODEL, transport=AlterEcho()) as client:
+        assert await reported(client) == [151643, *PROMPT[1:]]  # decoded, for the proof

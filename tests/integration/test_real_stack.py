@@ -129,7 +129,10 @@ def run_conversation(stack: RealStack, seed: int) -> tuple[str, list[Turn]]:
             body["extra_body"] = {
                 "structured_outputs": {"grammar": grammar},
                 "reasoning_ended": True,
+                "return_token_ids": True,
             }
+        else:
+            body["extra_body"] = {"return_token_ids": True}
         before = len(stack.relay.exchanges)
         message, prompt_ids, token_ids, kind = (_stream if step.stream else _complete)(client, body)
         [exchange] = stack.relay.exchanges[before:]
