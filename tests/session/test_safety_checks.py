@@ -1,6 +1,8 @@
 """The two safety checks, made to fire: the engine's report of the prompt it received, and
 the proof that a bridge kept every stored token. Faults are injected into otherwise real
-parts (the engine double's prompt report; the real Qwen3 renderer's bridge output)."""
+parts: the engine double's prompt report (`report_prompt`), the real Qwen3 renderer's bridge
+output, and the chat template's rendering the generic splice cuts from. Each gives the
+documented error or break reason, leaves stored history as it was, and is counted."""
 
 from __future__ import annotations
 
