@@ -9,6 +9,7 @@ the import path, and records whether the tests fail ("caught") or pass ("missed"
     .venv/bin/python bench/mutations.py                  # the tests of the working tree
     .venv/bin/python bench/mutations.py --tests-from REV # the same mutants, REV's tests
     .venv/bin/python bench/mutations.py --only drop_tool_result
+    .venv/bin/python bench/mutations.py --exclude "hanging_up or expired_session"
 
 Results: bench/results/mutations.md (written by hand from this script's table).
 """
@@ -38,7 +39,8 @@ TARGETED = [
     "tests/session/test_lineage.py",
     "tests/session/test_safety_checks.py",
 ]
-PYTEST_ARGS = ["-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", "-k", "not redis"]
+PYTEST_ARGS = ["-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly"]
+SELECT = "not redis"
 
 
 @dataclass(frozen=True)
@@ -201,13 +203,14 @@ def copy_tree(target: Path, tests_from: str | None) -> None:
         subprocess.run(["tar", "-x", "-C", str(target)], input=archive, check=True)
 
 
-def run_tests(tree: Path, timeout: int) -> tuple[int, float, str]:
+def run_tests(tree: Path, timeout: int, exclude: str | None = None) -> tuple[int, float, str]:
     present = [t for t in TARGETED if (tree / t).is_file()]
+    select = SELECT + (f" and not ({exclude})" if exclude else "")
     env = {**os.environ, "PYTHONPATH": str(tree)}
     started = time.monotonic()
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "pytest", *PYTEST_ARGS, *present],
+            [sys.executable, "-m", "pytest", *PYTEST_ARGS, "-k", select, *present],
             cwd=tree,
             env=env,
             capture_output=True,
@@ -225,12 +228,13 @@ def main() -> int:
     parser.add_argument("--tests-from", help="git revision whose tests/ to run")
     parser.add_argument("--only", action="append", help="mutant name (repeatable)")
     parser.add_argument("--timeout", type=int, default=600, help="seconds per test run")
+    parser.add_argument("--exclude", help="-k expression of tests to leave out (e.g. flaky)")
     args = parser.parse_args()
     chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
     with tempfile.TemporaryDirectory(prefix="tokenkeep-mutants-") as scratch:
         tree = Path(scratch)
         copy_tree(tree, args.tests_from)
-        code, seconds, output = run_tests(tree, args.timeout)
+        code, seconds, output = run_tests(tree, args.timeout, args.exclude)
         print(f"baseline (no mutant): exit {code} in {seconds:.0f}s", flush=True)
         if code != 0:
             print(output[-3000:], "the unmutated tree must pass first", file=sys.stderr)
@@ -246,7 +250,7 @@ def main() -> int:
                 mutated = mutated.replace(old, new)
             path.write_text(mutated)
             try:
-                code, seconds, output = run_tests(tree, args.timeout)
+                code, seconds, output = run_tests(tree, args.timeout, args.exclude)
             finally:
                 path.write_text(original)
             verdict = "caught" if code not in (0, -1) else "missed" if code == 0 else "timeout"

@@ -6,8 +6,14 @@ import os
 from collections.abc import Generator, Iterator
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from tests.redis_server import start_redis_server, stop_redis_server
+
+# Hypothesis times each example (a 200 ms deadline) and fails slow input generation: both are
+# wall-clock assertions, and flaky on a loaded two-core machine. Correctness only here.
+settings.register_profile("tokenkeep", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("tokenkeep")
 
 
 def ci_forbids_skips() -> bool:

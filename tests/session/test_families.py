@@ -11,7 +11,7 @@ from session_server.splice import GENERIC, ChatModel, detect_family
 from session_server.tokenizer import load_tokenizer
 from tests.engine_double import EngineDouble, ScriptedCompletion
 from tests.real_tokenizers import llama32_dir, qwen3_dir
-from tests.session.adversarial import END, SCENARIOS, Scenario, naive_prompt, tokens
+from tests.session.adversarial import END, SCENARIOS, TOOLS, Scenario, naive_prompt, tokens
 from tests.session.conftest import Stack, make_stack
 from tests.session.test_contiguity import run_two_turns
 from tests.suffix_reference import assert_suffix
@@ -26,6 +26,16 @@ TEXT_SCENARIOS = [
         "truncated_by_max_tokens",
         "merge_across_prompt_completion_boundary",
         "whitespace_stripped_by_harness",
+    }
+]
+TOOL_SCENARIOS = [
+    s
+    for s in SCENARIOS
+    if s.name
+    in {
+        "tool_json_compact",
+        "tool_json_key_order_resorted_by_harness",
+        "whitespace_before_tool_call",
     }
 ]
 MODELS = {
@@ -44,6 +54,26 @@ def family_model(request: pytest.FixtureRequest) -> ChatModel:
 @pytest.fixture
 def family_stack(family_model: ChatModel, engine_double: EngineDouble) -> Iterator[Stack]:
     yield from make_stack(family_model, engine_double, "memory", None)
+
+
+@pytest.fixture
+def generic_qwen3_stack(engine_double: EngineDouble) -> Iterator[Stack]:
+    """Qwen3 (a tool-calling template) on the generic end-of-turn splice."""
+    model = ChatModel(load_tokenizer(str(qwen3_dir())), GENERIC)
+    yield from make_stack(model, engine_double, "memory", None)
+
+
+@pytest.mark.parametrize("scenario", TOOL_SCENARIOS, ids=[s.name for s in TOOL_SCENARIOS])
+def test_generic_splice_carries_tool_results(
+    generic_qwen3_stack: Stack, scenario: Scenario
+) -> None:
+    """The tool result and the generation prompt are what the template writes after the
+    sampled call."""
+    stack = generic_qwen3_stack
+    run = run_two_turns(stack, scenario, f"generic-{scenario.name}")
+    stored = run["prompt1"] + run["sampled"]
+    assert_suffix(stack.model, run["prompt2"], stored, run["sampled"], run["history"], TOOLS)
+    assert run["second"].model_extra["tokenkeep"]["kind"] == "extend"
 
 
 def test_auto_recognises_families_from_the_tokenizer_itself() -> None:

@@ -7,8 +7,11 @@ from typing import Any
 
 import httpx
 import openai
+import redis
 
 from session_server.conversation import Message
+from session_server.store.memory import MemoryStore
+from session_server.store.redis import RedisStore
 from tests.engine_double import ScriptedCompletion
 from tests.session.adversarial import END, TOOLS, naive_prompt, reply_as_harness_sends, tokens
 from tests.session.conftest import Stack
@@ -327,12 +330,32 @@ def test_token_aware_client_keeps_its_tokens_where_no_stored_turn_matches(stack:
     assert stack.model.decode(sent[len(prompt) + len(sampled) :]).count("And tomorrow?") == 1
 
 
-def test_an_expired_session_starts_again_on_first_use(stack: Stack) -> None:
+def _expire_in_store(stack: Stack, redis_url: str, session_id: str) -> None:
+    """Make the store forget a session the way its TTL would, without waiting for one: the
+    server process keeps its cached metadata, as it does when a TTL runs out."""
+    store = stack.service.store
+    if isinstance(store, MemoryStore):
+        base = time.monotonic()
+        store._clock = lambda: time.monotonic() - base + 10**7  # the store's time moves on
+        return
+    assert isinstance(store, RedisStore)
+    client = redis.Redis.from_url(redis_url)
+    keys = store.session_keys(session_id)
+    for key in reversed(keys):  # the meta key last: once it is gone, all are
+        client.pexpire(key, 1)
+    deadline = time.monotonic() + 60  # a bound for a hung Redis, not a timing claim
+    while client.exists(keys[0]):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    client.close()
+
+
+def test_an_expired_session_starts_again_on_first_use(stack: Stack, redis_server: str) -> None:
     with stack.http() as http:
-        assert http.post("/sessions", json={"id": "brief", "ttl_seconds": 1}).status_code == 201
+        assert http.post("/sessions", json={"id": "brief", "ttl_seconds": 3600}).status_code == 201
     _say(stack, "One")
     stack.openai("brief").chat.completions.create(model="m", messages=USER)
-    time.sleep(2.2)  # the store forgets it; this server still has its metadata cached
+    _expire_in_store(stack, redis_server, "brief")
     _say(stack, "Two")
     again = stack.openai("brief").chat.completions.create(model="m", messages=USER)
     assert again.model_extra["tokenkeep"]["kind"] == "first"

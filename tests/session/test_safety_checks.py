@@ -1,18 +1,24 @@
 """The two safety checks, made to fire: the engine's report of the prompt it received, and
 the proof that a bridge kept every stored token. Faults are injected into otherwise real
-parts (the engine double's prompt report; the real Qwen3 renderer's bridge output)."""
+parts: the engine double's prompt report (`report_prompt`), the real Qwen3 renderer's bridge
+output, and the chat template's rendering the generic splice cuts from. Each gives the
+documented error or break reason, leaves stored history as it was, and is counted."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import openai
 import pytest
 
-from tests.engine_double import ScriptedCompletion
+from session_server.splice import GENERIC, ChatModel
+from session_server.tokenizer import load_tokenizer
+from tests.engine_double import EngineDouble, ScriptedCompletion
+from tests.real_tokenizers import qwen3_dir
 from tests.session.adversarial import END, reply_as_harness_sends, tokens
-from tests.session.conftest import Stack
+from tests.session.conftest import Stack, make_stack
 
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
@@ -103,3 +109,34 @@ def test_a_bridge_that_alters_a_stored_token_is_refused(
     assert [s["start_reason"] for s in segments] == ["first", "bridge_unproven"]
     assert segments[0]["token_ids"] == stored_segment["token_ids"]
     assert segments[1]["token_ids"][: len(sent)] == sent
+
+
+@pytest.fixture
+def generic_stack(engine_double: EngineDouble) -> Iterator[Stack]:
+    yield from make_stack(
+        ChatModel(load_tokenizer(str(qwen3_dir())), GENERIC), engine_double, "memory", None
+    )
+
+
+def test_a_generic_splice_that_loses_a_new_message_is_refused(
+    generic_stack: Stack, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The generic splice cuts the template's rendering after the stored turn's close; a
+    rendering that lost the new message's text (here: the template leaves it out) must not
+    be spliced in: `bridge_unproven`, counted, a new segment."""
+    stack = generic_stack
+    history = [*_first_turn(stack, "lost"), {"role": "user", "content": "And tomorrow?"}]
+    model = stack.model
+    apply_template = model._apply_template
+
+    def losing_template(messages: list[Any], tools: list[Any], **kwargs: Any) -> list[int]:
+        if messages[-1].content == "And tomorrow?":
+            messages = [*messages[:-1], dataclasses.replace(messages[-1], content="")]
+        return apply_template(messages, tools, **kwargs)
+
+    monkeypatch.setattr(model, "_apply_template", losing_template)
+    _say(stack, "Rain")
+    reply = stack.openai("lost").chat.completions.create(model="m", messages=history)
+    assert reply.model_extra["tokenkeep"]["kind"] == "rewrite"
+    assert reply.model_extra["tokenkeep"]["break_reason"] == "bridge_unproven"
+    assert _metric(stack, 'tokenkeep_segment_breaks_total{reason="bridge_unproven"}') == 1
