@@ -83,6 +83,4 @@ async def test_rule_keeps_one_trajectory_and_the_first_line(double: EngineDouble
         assert billing(0) in last_prompt
         assert billing(1) not in last_prompt and billing(2) not in last_prompt
         # what was ignored is on record, turn by turn
-        assert [t.get("volatile") for t in segment["turns"]] == [
-            [billing(i)] for i in range(3)
-        ]
+        assert [t.get("volatile") for t in segment["turns"]] == [[billing(i)] for i in range(3)]
