@@ -333,12 +333,31 @@ class ChatModel:
             )
         syntax = self.tool_call_syntax
         if syntax == "hermes":
+            # The markers are matched as the model's own special tokens: spelled in sub-words
+            # they would be text to the parser, and the call would not be one.
+            vocab = self.tokenizer.get_vocab()
             tags = [
                 {
                     "type": "tag",
-                    "begin": f'<tool_call>\n{{"name": {json.dumps(t.name)}, "arguments": ',
-                    "content": {"type": "json_schema", "json_schema": _schema(t)},
-                    "end": "}\n</tool_call>",
+                    "begin": {"type": "token", "token": vocab["<tool_call>"]},
+                    "content": {
+                        "type": "sequence",
+                        "elements": [
+                            {
+                                "type": "const_string",
+                                "value": f'\n{{"name": {json.dumps(t.name)}, "arguments": ',
+                            },
+                            # Bounded whitespace runs: pretty-printed arguments fit, but a
+                            # sampler cannot stall inside the call until max_tokens.
+                            {
+                                "type": "json_schema",
+                                "json_schema": _schema(t),
+                                "max_whitespace_cnt": 16,
+                            },
+                            {"type": "const_string", "value": "}\n"},
+                        ],
+                    },
+                    "end": {"type": "token", "token": vocab["</tool_call>"]},
                 }
                 for t in chosen
             ]

@@ -88,10 +88,15 @@ async def test_required_and_named_reach_the_engine_as_constraints(
                 tag = json.loads(constraint["structural_tag"])["format"]
                 assert tag["type"] == "tags_with_separator" and tag["at_least_one"]
                 assert tag["stop_after_first"] == (tools == ["calc"])
-                assert [t["begin"] for t in tag["tags"]] == [
-                    f'<tool_call>\n{{"name": "{tool}", "arguments": ' for tool in tools
-                ]
-                assert all(t["end"] == "}\n</tool_call>" for t in tag["tags"])
+                vocab = model.tokenizer.get_vocab()
+                for t, tool in zip(tag["tags"], tools, strict=True):
+                    # the model's own marker tokens, not their spelling in sub-words
+                    assert t["begin"] == {"type": "token", "token": vocab["<tool_call>"]}
+                    assert t["end"] == {"type": "token", "token": vocab["</tool_call>"]}
+                    head, args, tail = t["content"]["elements"]
+                    assert head["value"] == f'\n{{"name": "{tool}", "arguments": '
+                    assert args["json_schema"]["type"] == "object"
+                    assert tail["value"] == "}\n"
             else:
                 schema = constraint["json"]
                 options = schema.get("anyOf", [schema])
