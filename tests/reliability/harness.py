@@ -176,7 +176,13 @@ async def _turn(
     stream: bool,
 ) -> tuple[str, dict[str, Any] | None, float | None]:  # fmt: skip
     """One request: (status or 'stream_error', the reply body, Retry-After)."""
-    body: dict[str, Any] = {"model": MODEL, "messages": messages, "max_tokens": 64}
+    # The sampled tokens come back to be checked against the stored trajectory later.
+    body: dict[str, Any] = {
+        "model": MODEL,
+        "messages": messages,
+        "max_tokens": 64,
+        "return_token_ids": True,
+    }
     if stream:  # the last chunk, with usage, names the stored turn
         body |= {"stream": True, "stream_options": {"include_usage": True}}
     path = f"{url}/sessions/{session}/v1/chat/completions"
