@@ -3,8 +3,11 @@ store) in front of the engine double, which scripts the tool calls the harness e
 
 from __future__ import annotations
 
+import shutil
+import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -42,3 +45,38 @@ def live_stack(double: EngineDouble, records: list[dict[str, Any]]) -> Iterator[
     app.add_middleware(RequestRecorder, records=records)
     with serving(app) as url:
         yield Stack(app=app, service=service, double=double, url=url)
+
+
+HARNESS_CACHE = Path(__file__).resolve().parents[2] / ".cache" / "harnesses"
+
+
+def npm_harness(package: str, version: str, binary: str) -> Path:
+    """A harness CLI from npm at a pinned version, installed once into `.cache/harnesses/`
+    (skipped where npm or its registry is unavailable; under CI=true a skip fails)."""
+    install = HARNESS_CACHE / f"{package.rsplit('/', 1)[-1]}-{version}"
+    path = install / "node_modules" / ".bin" / binary
+    if not path.exists():
+        npm = shutil.which("npm")
+        if npm is None:
+            pytest.skip("npm is not installed")
+        install.mkdir(parents=True, exist_ok=True)
+        done = subprocess.run(
+            [npm, "install", "--prefix", str(install), "--no-audit", "--no-fund",
+             f"{package}@{version}"],
+            capture_output=True, text=True, timeout=900, check=False,
+        )  # fmt: skip
+        if done.returncode != 0 or not path.exists():
+            pytest.skip(f"could not install {package} {version}: {done.stderr[-500:]}")
+    shown = subprocess.run(
+        [str(path), "--version"], capture_output=True, text=True, timeout=60, check=True
+    )
+    assert version in shown.stdout
+    return path
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Iterator[Path]:
+    """A scratch project for a harness CLI, with its own HOME beside it."""
+    (tmp_path / "home").mkdir()
+    (tmp_path / "project").mkdir()
+    yield tmp_path / "project"

@@ -14,9 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,41 +22,15 @@ import pytest
 
 from tests.api.stack import Stack, reply, tool_call
 from tests.engine_double import EngineDouble
-from tests.harnesses.conftest import live_stack
+from tests.harnesses.conftest import live_stack, npm_harness
 from tests.harnesses.recording import save_fixture
 
 VERSION = "0.169.0"
-REPO = Path(__file__).resolve().parents[2]
-INSTALL = REPO / ".cache" / "harnesses" / f"codex-{VERSION}"
 
 
 @pytest.fixture(scope="module")
 def codex() -> Path:
-    binary = INSTALL / "node_modules" / ".bin" / "codex"
-    if not binary.exists():
-        npm = shutil.which("npm")
-        if npm is None:
-            pytest.skip("npm is not installed")
-        INSTALL.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run(
-            [npm, "install", "--prefix", str(INSTALL), "--no-audit", "--no-fund",
-             f"@openai/codex@{VERSION}"],
-            capture_output=True, text=True, timeout=900, check=False,
-        )  # fmt: skip
-        if done.returncode != 0 or not binary.exists():
-            pytest.skip(f"could not install Codex {VERSION}: {done.stderr[-500:]}")
-    version = subprocess.run(
-        [str(binary), "--version"], capture_output=True, text=True, timeout=60, check=True
-    )
-    assert VERSION in version.stdout
-    return binary
-
-
-@pytest.fixture
-def project(tmp_path: Path) -> Iterator[Path]:
-    (tmp_path / "home").mkdir()
-    (tmp_path / "project").mkdir()
-    yield tmp_path / "project"
+    return npm_harness("@openai/codex", VERSION, "codex")
 
 
 def run_codex(codex: Path, project: Path, stack: Stack, session_id: str, prompt: str) -> str:
