@@ -79,6 +79,10 @@ def serve(args: argparse.Namespace) -> int:
         access_log=False,
         # After the drain (GracefulServer) little is left; this bounds what is.
         timeout_graceful_shutdown=5,
+        # Longer than clients keep idle connections (httpx: 5 s) and than load balancers'
+        # idle timeouts (60 s), so that the client, never the server, closes an idle
+        # connection: otherwise a request sent as the server closes it is lost in flight.
+        timeout_keep_alive=75,
     )
     GracefulServer(config, app.state.admission, settings.shutdown_grace_s).run()
     return 0

@@ -71,7 +71,12 @@ T = TypeVar("T")
 # slow (TimeoutError), a Sentinel failover in progress (ReadOnlyError from the old master,
 # MasterNotFoundError is a ConnectionError), a Cluster resharding or failing over
 # (TryAgain, ClusterDown/MasterDown), memory full. Anything else is a bug and stays loud.
+class _ReplicasBehind(Exception):
+    """WAIT saw fewer replicas than asked for (one is resyncing, or down)."""
+
+
 _TRANSIENT = (
+    _ReplicasBehind,
     RedisConnectionError,
     RedisTimeoutError,
     ReadOnlyError,
@@ -164,8 +169,8 @@ class RedisStore:
     Reconnection is the client's: the next command after a failure dials again. Appends are
     retried too, safely: each carries a random token that the script remembers with the
     session, so an append whose reply was lost returns the turns it stored.
-    `wait_replicas` > 0 acknowledges an append only after that many replicas have it
-    (Redis WAIT), else StoreUnavailable."""
+    `wait_replicas` > 0 acknowledges a creation or an append only after that many replicas
+    have it (Redis WAIT), else StoreUnavailable (the write may then be on the primary only)."""
 
     def __init__(
         self,
@@ -232,6 +237,8 @@ class RedisStore:
         created = await self._call(lambda: self._create(keys=keys, args=args))
         if not created:
             raise SessionExists(meta.session_id)
+        if self._wait_replicas:
+            await self._await_replicas(meta.session_id)
         return decode_meta(packed)
 
     async def get_session(self, session_id: str) -> SessionMeta | None:
@@ -338,18 +345,18 @@ class RedisStore:
         stream."""
         marker = f"{self._prefix}:{{{session_id}}}:wait"
 
-        async def wait() -> int:
+        async def wait() -> None:
             async with self._redis.pipeline(transaction=False) as pipe:
                 pipe.set(marker, 1, px=1000)
                 pipe.execute_command("WAIT", self._wait_replicas, self._wait_timeout_ms)
-                return int((await pipe.execute())[1])
+                acked = int((await pipe.execute())[1])
+            if acked < self._wait_replicas:
+                raise _ReplicasBehind(
+                    f"stored on the primary but {acked} of {self._wait_replicas} replicas "
+                    f"confirmed it within {self._wait_timeout_ms} ms"
+                )
 
-        acked = await self._call(wait)
-        if acked < self._wait_replicas:
-            raise StoreUnavailable(
-                f"turn stored on the primary but only {acked} of {self._wait_replicas} "
-                f"replicas confirmed it within {self._wait_timeout_ms} ms"
-            )
+        await self._call(wait)
 
     async def _read(self, session_id: str, key: str, command: str, *args: str | int) -> Any:
         """Run one read command on a session key, raising SessionNotFound if the session is

@@ -245,9 +245,9 @@ async def drive(
                         status, reply, retry_after = await _turn(
                             client, url, session, messages, stream
                         )
-                    except httpx.TransportError:
+                    except httpx.TransportError as exc:
                         tally.dropped[url] += 1
-                        tally.failures.append((url, sent_at, "dropped"))
+                        tally.failures.append((url, sent_at, f"dropped: {exc!r}"))
                         target += 1
                         await asyncio.sleep(0.2)
                         continue
