@@ -61,7 +61,7 @@ class Metrics:
         self.rejections = Counter(
             "tokenkeep_rejected_requests",
             "Generation requests refused before running, by reason "
-            "(queue_full, queue_timeout, draining, engines_full).",
+            "(queue_full, queue_timeout, draining).",
             ["reason"],
             registry=r,
         )

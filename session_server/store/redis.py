@@ -183,6 +183,8 @@ class RedisStore:
         wait_timeout_ms: int = 1000,
     ) -> None:
         self._redis = connect(url, timeout_s=timeout_s)
+        if wait_replicas and isinstance(self._redis, RedisCluster):
+            raise ValueError("waiting for replicas (WAIT) is not supported with Redis Cluster")
         self._prefix = key_prefix
         self._retry_s = retry_s
         self._wait_replicas = wait_replicas
