@@ -30,7 +30,7 @@ DOCUMENTED = {429, 503}
 MODEL = "tokenkeep-tiny-qwen3"  # the engine double's
 
 
-def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 60) -> None:
+def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 180) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -319,4 +319,9 @@ def record(fault: str, tally: Tally, lost: int, corrupted: int, note: str = "") 
     if header not in text:
         text = text.rstrip("\n") + ("\n\n" if text else "") + header
     lines = [line for line in text.splitlines(keepends=True) if not line.startswith(f"| {fault} |")]
-    RESULTS.write_text("".join(lines) + row)
+    # The row goes at the end of the table, which other sections may follow.
+    end = len(text[: text.index(header)].splitlines()) + 2
+    while end < len(lines) and lines[end].startswith("|"):
+        end += 1
+    lines.insert(end, row)
+    RESULTS.write_text("".join(lines))

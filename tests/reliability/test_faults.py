@@ -65,7 +65,7 @@ async def test_redis_killed_and_restarted(tmp_path: Path, redis: Redis) -> None:
         def outage() -> None:
             redis.kill()
             time.sleep(0.5)
-            readiness.append(httpx.get(server.url + "/readyz", timeout=5).status_code)
+            readiness.append(httpx.get(server.url + "/readyz", timeout=30).status_code)
             time.sleep(1.0)
             redis.restart()
 
