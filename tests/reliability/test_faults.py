@@ -69,7 +69,7 @@ async def test_redis_killed_and_restarted(tmp_path: Path, redis: Redis) -> None:
             time.sleep(1.0)
             redis.restart()
 
-        load = drive([server.url], sessions=SESSIONS, turns=TURNS, prefix="redis")
+        load = drive([server.url], sessions=SESSIONS, turns=TURNS, prefix="redis", stream_every=4)
         tally, _ = await asyncio.gather(load, _after(0.8, outage))
         lost, corrupted = await check_store(redis.url, tally)
         record("Redis kill -9, restart 1.5 s later", tally, lost, corrupted)
