@@ -60,7 +60,7 @@ async def _load(
 @pytest.mark.parametrize("wait_replicas", [0, 1])
 async def test_master_killed_under_load(tmp_path: Path, wait_replicas: int) -> None:
     sentinels = SentinelSet(tmp_path, replicas=2)
-    store = RedisStore(sentinels.url, retry_s=20, wait_replicas=wait_replicas)
+    store = RedisStore(sentinels.url, retry_s=30, wait_replicas=wait_replicas)
     try:
         started = time.monotonic()
         acked, refused, vanished = await _load(store, sentinels)
