@@ -164,10 +164,14 @@ class Tally:
         return round(ordered[min(len(ordered) - 1, int(0.95 * len(ordered)))] * 1000, 1)
 
     def undocumented(self) -> dict[str, int]:
+        """Answers other than 200, the documented 429/503, and in-band stream errors (the
+        documented outcome of a failure after a stream's first byte)."""
         return {
             s: n
             for s, n in self.statuses.items()
-            if s != "200" and not (s.isdigit() and int(s) in DOCUMENTED)
+            if s != "200"
+            and not (s.isdigit() and int(s) in DOCUMENTED)
+            and not s.startswith("stream_error:")
         }
 
 
@@ -195,13 +199,13 @@ async def _turn(
                 continue
             chunk = json.loads(line[6:])
             if "error" in chunk:
-                return "stream_error", None, None
+                return f"stream_error:{chunk['error'].get('code')}", None, None
             for choice in chunk.get("choices", ()):
                 content += choice.get("delta", {}).get("content") or ""
                 token_ids += choice.get("token_ids") or []
             turn_ids = (chunk.get("tokenkeep") or {}).get("turn_ids") or turn_ids
         if turn_ids is None:
-            return "stream_error", None, None
+            return "stream_error:none", None, None
         return "200", {
             "choices": [{"message": {"role": "assistant", "content": content},
                          "token_ids": token_ids}],
@@ -262,7 +266,7 @@ async def drive(
                             {"role": "assistant", "content": choice["message"]["content"]}
                         )
                         break
-                    if not (status == "stream_error" or int(status) in DOCUMENTED):
+                    if not (status.startswith("stream_error") or int(status) in DOCUMENTED):
                         tally.unfinished += 1
                         return
                     await asyncio.sleep(retry_after or 0.2)
@@ -295,6 +299,14 @@ async def check_store(redis_url: str, tally: Tally) -> tuple[int, int]:
                     broken = True
                     continue
                 if position and (record.parent_id != parent or record.segment_start):
+                    print(  # what a failing run needs to be understood
+                        f"corrupted {session}: turn {turn_id} ({record.kind}, segment_start="
+                        f"{record.segment_start}, {record.break_reason}) has parent "
+                        f"{record.parent_id}, expected {parent}; stored: "
+                        + ", ".join(
+                            f"{r.turn_id}<-{r.parent_id} {r.kind}" for r in records.values()
+                        )
+                    )
                     broken = True
                 parent = turn_id
             corrupted += broken
