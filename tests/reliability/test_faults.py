@@ -133,13 +133,19 @@ async def test_sigterm_under_load(tmp_path: Path, redis: Redis) -> None:
         tally, _ = await asyncio.gather(load, _after(1.0, terminate))
         assert leaving.proc.wait(30) == 0
         lost, corrupted = await check_store(redis.url, tally)
-        cut = [f for f in tally.failures if f[0] == leaving.url and f[1] < signalled[0]]
+        before = [f for f in tally.failures if f[0] == leaving.url and f[1] < signalled[0]]
+        # A request that reached the server after the signal is refused with 503 (clean,
+        # Retry-After), and one that connected only after the process exited is refused by
+        # the OS (ConnectError), even if the client meant to send it a moment before: only
+        # a request dropped after it reached the server is a cut.
+        cut = [f for f in before if f[2] != "503" and "ConnectError" not in f[2]]
         record(
             "SIGTERM to 1 of 2 session servers",
             tally,
             lost,
             corrupted,
-            f"{len(cut)} requests sent before the signal failed; later ones: 503 then refused",
+            f"{len(cut)} requests sent before the signal cut ({len(before) - len(cut)} refused: "
+            "503 on arrival or connection refused); after it: 503, then connection refused",
         )
         assert cut == []
         _assert_clean(tally, lost, corrupted, alive=[servers[1].url])
