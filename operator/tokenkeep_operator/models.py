@@ -260,7 +260,18 @@ class ManagedRedis(CRDModel):
 class ExternalRedis(CRDModel):
     """A Redis the operator does not run."""
 
-    url_secret_ref: SecretKeyRef = Field(description="Secret key holding redis://... or rediss://")
+    url_secret_ref: SecretKeyRef = Field(
+        description="Secret key holding the URL, password included: redis://, rediss:// (TLS), "
+        "redis+sentinel://host:port,host:port/<master name> (Sentinel), or "
+        "redis+cluster://host:port,host:port (Cluster); see the session server's docs."
+    )
+    wait_replicas: int = Field(
+        0,
+        ge=0,
+        description="Acknowledge a turn only once this many Redis replicas hold it (WAIT): no "
+        "acknowledged turn lost on failover, at a replication round trip per turn, and turns "
+        "refused (503) while fewer replicas are up. Standalone and Sentinel only.",
+    )
 
 
 class Redis(CRDModel):
@@ -321,6 +332,12 @@ class SessionServerSpec(CRDModel):
         "ClusterIP", description="Type of the `<name>-sessions` Service."
     )
     scheduling: Scheduling = Scheduling()
+    shutdown_grace_seconds: int = Field(
+        30,
+        ge=1,
+        description="On termination, how long in-flight requests and streams may take to "
+        "finish (the pod's terminationGracePeriodSeconds is set to cover it).",
+    )
 
 
 # --- status ------------------------------------------------------------------------------

@@ -74,11 +74,17 @@ from session_server.store.codec import (
 log = logging.getLogger("tokenkeep.store")
 T = TypeVar("T")
 
+
 # Faults that pass: Redis down or restarting (ConnectionError, BusyLoadingError is one),
 # slow (TimeoutError), a Sentinel failover in progress (ReadOnlyError from the old master,
 # MasterNotFoundError is a ConnectionError), a Cluster resharding or failing over
 # (TryAgain, ClusterDown/MasterDown), memory full. Anything else is a bug and stays loud.
+class _ReplicasBehind(Exception):
+    """WAIT saw fewer replicas than asked for (one is resyncing, or down)."""
+
+
 _TRANSIENT = (
+    _ReplicasBehind,
     RedisConnectionError,
     RedisTimeoutError,
     ReadOnlyError,
@@ -171,8 +177,8 @@ class RedisStore:
     Reconnection is the client's: the next command after a failure dials again. Appends are
     retried too, safely: each carries a random token that the script remembers with the
     session, so an append whose reply was lost returns the turns it stored.
-    `wait_replicas` > 0 acknowledges an append only after that many replicas have it
-    (Redis WAIT), else StoreUnavailable."""
+    `wait_replicas` > 0 acknowledges a creation or an append only after that many replicas
+    have it (Redis WAIT), else StoreUnavailable (the write may then be on the primary only)."""
 
     def __init__(
         self,
@@ -185,6 +191,8 @@ class RedisStore:
         wait_timeout_ms: int = 1000,
     ) -> None:
         self._redis = connect(url, timeout_s=timeout_s)
+        if wait_replicas and isinstance(self._redis, RedisCluster):
+            raise ValueError("waiting for replicas (WAIT) is not supported with Redis Cluster")
         self._prefix = key_prefix
         self._retry_s = retry_s
         self._wait_replicas = wait_replicas
@@ -236,9 +244,8 @@ class RedisStore:
         packed = encode_meta(meta)
         ttl_ms = "" if meta.ttl_seconds is None else str(round(meta.ttl_seconds * 1000))
         keys, args = self.session_keys(meta.session_id), [packed, ttl_ms, new_incarnation()]
-        # Retried safely: a creation whose reply was lost reads as "taken" and the caller
-        # then reads the session it created.
-        created = await self._call(lambda: self._create(keys=keys, args=args))
+        # Retried safely: the script knows its own incarnation token.
+        created = await self._call(lambda: self._write(self._create, keys, args))
         if not created:
             raise SessionExists(meta.session_id)
         return decode_meta(packed)
@@ -331,36 +338,32 @@ class RedisStore:
         for parent, blob, turn_keys in zip(batch.parents, batch.blobs, batch.keys, strict=True):
             args += [parent, blob, len(turn_keys), *turn_keys]
         keys = self.session_keys(session_id)
-        reply = await self._call(lambda: self._append(keys=keys, args=args))
+        reply = await self._call(lambda: self._write(self._append, keys, args))
         status = reply[0]
         if status == b"gone":
             raise SessionNotFound(session_id)
         if status == b"parent":
             raise UnknownParent(f"session {session_id} has no turn {int(reply[1])}")
         first = int(reply[1])
-        if self._wait_replicas:
-            await self._await_replicas(session_id)
         return list(range(first, first + len(batch.blobs)))
 
-    async def _await_replicas(self, session_id: str) -> None:
-        """WAIT for the replicas. WAIT covers the writes of its own connection, and the pool
-        may have sent the append on another one: a short-lived marker written in the
-        session's slot on WAIT's connection comes after the append in the replication
-        stream."""
-        marker = f"{self._prefix}:{{{session_id}}}:wait"
-
-        async def wait() -> int:
-            async with self._redis.pipeline(transaction=False) as pipe:
-                pipe.set(marker, 1, px=1000)
-                pipe.execute_command("WAIT", self._wait_replicas, self._wait_timeout_ms)
-                return int((await pipe.execute())[1])
-
-        acked = await self._call(wait)
-        if acked < self._wait_replicas:
-            raise StoreUnavailable(
-                f"turn stored on the primary but only {acked} of {self._wait_replicas} "
-                f"replicas confirmed it within {self._wait_timeout_ms} ms"
+    async def _write(self, script: Any, keys: list[str], args: list[Any]) -> Any:
+        """Run a write script; with `wait_replicas`, followed by WAIT on the same connection
+        (WAIT covers its own connection's writes). The two are retried together: after a
+        failover the script runs again on the new primary (appends are idempotent by token,
+        creations by incarnation token), so WAIT never vouches for a write the new primary lacks."""
+        if not self._wait_replicas:
+            return await script(keys=keys, args=args)
+        async with self._redis.pipeline(transaction=False) as pipe:
+            await script(keys=keys, args=args, client=pipe)
+            pipe.execute_command("WAIT", self._wait_replicas, self._wait_timeout_ms)
+            reply, acked = await pipe.execute()
+        if int(acked) < self._wait_replicas:
+            raise _ReplicasBehind(
+                f"stored on the primary but {acked} of {self._wait_replicas} replicas "
+                f"confirmed it within {self._wait_timeout_ms} ms"
             )
+        return reply
 
     async def _read(self, session_id: str, key: str, command: str, *args: str | int) -> Any:
         """Run one read command on a session key, raising SessionNotFound if the session is

@@ -65,15 +65,17 @@ async def test_redis_killed_and_restarted(tmp_path: Path, redis: Redis) -> None:
         def outage() -> None:
             redis.kill()
             time.sleep(0.5)
-            readiness.append(httpx.get(server.url + "/readyz", timeout=5).status_code)
+            readiness.append(httpx.get(server.url + "/readyz", timeout=30).status_code)
             time.sleep(1.0)
             redis.restart()
 
-        load = drive([server.url], sessions=SESSIONS, turns=TURNS, prefix="redis")
+        load = drive([server.url], sessions=SESSIONS, turns=TURNS, prefix="redis", stream_every=4)
         tally, _ = await asyncio.gather(load, _after(0.8, outage))
         lost, corrupted = await check_store(redis.url, tally)
         record("Redis kill -9, restart 1.5 s later", tally, lost, corrupted)
         _assert_clean(tally, lost, corrupted, alive=[server.url])
+        # Streams that failed after their first byte ended with the in-band 503.
+        assert {s for s in tally.statuses if s.startswith("stream_error")} <= {"stream_error:503"}
         assert readiness == [503]
         assert httpx.get(server.url + "/readyz").status_code == 200
         log = server.log()
@@ -88,7 +90,7 @@ async def test_one_of_two_engines_killed(tmp_path: Path, redis: Redis) -> None:
         load = drive([server.url], sessions=SESSIONS, turns=TURNS, prefix="eng", stream_every=4)
         tally, _ = await asyncio.gather(load, _after(1.0, engines[0].kill))
         lost, corrupted = await check_store(redis.url, tally)
-        streams_cut = tally.statuses["stream_error"]
+        streams_cut = sum(n for s, n in tally.statuses.items() if s.startswith("stream_error"))
         record(
             "1 of 2 engines kill -9",
             tally,
@@ -98,7 +100,7 @@ async def test_one_of_two_engines_killed(tmp_path: Path, redis: Redis) -> None:
         )
         _assert_clean(tally, lost, corrupted, alive=[server.url])
         # Non-streaming turns and streams that had sent nothing moved to the other engine.
-        assert set(tally.statuses) <= {"200", "stream_error"}
+        assert not {s for s in tally.statuses if s != "200" and not s.startswith("stream_error")}
 
 
 async def test_one_of_two_replicas_killed(tmp_path: Path, redis: Redis) -> None:
@@ -131,13 +133,19 @@ async def test_sigterm_under_load(tmp_path: Path, redis: Redis) -> None:
         tally, _ = await asyncio.gather(load, _after(1.0, terminate))
         assert leaving.proc.wait(30) == 0
         lost, corrupted = await check_store(redis.url, tally)
-        cut = [f for f in tally.failures if f[0] == leaving.url and f[1] < signalled[0]]
+        before = [f for f in tally.failures if f[0] == leaving.url and f[1] < signalled[0]]
+        # A request that reached the server after the signal is refused with 503 (clean,
+        # Retry-After), and one that connected only after the process exited is refused by
+        # the OS (ConnectError), even if the client meant to send it a moment before: only
+        # a request dropped after it reached the server is a cut.
+        cut = [f for f in before if f[2] != "503" and "ConnectError" not in f[2]]
         record(
             "SIGTERM to 1 of 2 session servers",
             tally,
             lost,
             corrupted,
-            f"{len(cut)} requests sent before the signal failed; later ones: 503 then refused",
+            f"{len(cut)} requests sent before the signal cut ({len(before) - len(cut)} refused: "
+            "503 on arrival or connection refused); after it: 503, then connection refused",
         )
         assert cut == []
         _assert_clean(tally, lost, corrupted, alive=[servers[1].url])

@@ -82,3 +82,19 @@ async def test_open_store_picks_the_backend(redis_server: str) -> None:
     assert isinstance(store, RedisStore)
     assert await store.ping()
     await store.close()
+
+
+async def test_an_append_sent_again_after_a_lost_reply_is_stored_once(
+    store: RedisStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store retries an append whose reply it lost (Redis died after running it): the
+    append's token makes the second run answer with the turns the first one stored."""
+    await store.create_session(meta("s"))
+    monkeypatch.setattr("session_server.store.redis.secrets.token_hex", lambda _n: "ab" * 8)
+    first = await store.append_turns("s", [turn(None), turn(None)], [["k1"], ["k2"]])
+    again = await store.append_turns("s", [turn(None), turn(None)], [["k1"], ["k2"]])
+    assert again == first == [1, 2]
+    assert (await store.counters("s")).turns == 2
+    monkeypatch.undo()
+    (third,) = await store.append_turns("s", [turn(None)], [["k3"]])
+    assert third == 3

@@ -31,6 +31,8 @@ PORT = 8000
 # The non-root user of the tokenkeep image (see the Dockerfile).
 TOKENKEEP_UID = 10001
 ADMIN_KEY_SECRET_KEY = "admin-key"
+# uvicorn's own shutdown after the drain (session_server/cli.py) plus a second of slack.
+SHUTDOWN_MARGIN_SECONDS = 6
 
 
 class ConfigError(ValueError):
@@ -89,6 +91,9 @@ def settings(
         )
     if spec.redis.mode == "Managed":
         data["TOKENKEEP_REDIS_URL"] = redis.url(owner.name, owner.namespace)
+    elif spec.redis.external and spec.redis.external.wait_replicas:
+        data["TOKENKEEP_REDIS_WAIT_REPLICAS"] = str(spec.redis.external.wait_replicas)
+    data["TOKENKEEP_SHUTDOWN_GRACE_S"] = str(spec.shutdown_grace_seconds)
     return data
 
 
@@ -207,7 +212,11 @@ def deployment(
                     "serviceAccountName": deployment_name(owner.name),
                     "automountServiceAccountToken": False,
                     "enableServiceLinks": False,
-                    "terminationGracePeriodSeconds": ENDPOINT_PROPAGATION_SECONDS + 30,
+                    # preStop sleep (endpoints drop the pod), then SIGTERM: the server drains
+                    # for up to shutdownGraceSeconds, then its own shutdown takes <= 5 s.
+                    "terminationGracePeriodSeconds": ENDPOINT_PROPAGATION_SECONDS
+                    + spec.shutdown_grace_seconds
+                    + SHUTDOWN_MARGIN_SECONDS,
                     "securityContext": {
                         "runAsNonRoot": True,
                         "runAsUser": TOKENKEEP_UID,

@@ -1,0 +1,141 @@
+"""Redis past one node, as real processes on loopback: a 3-master Cluster (built with
+`redis-cli --cluster create`) and a master + replica watched by 3 sentinels."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import redis
+
+from tests.redis_server import _free_loopback_port, start_redis_server, stop_redis_server
+
+
+def _port_with_bus() -> int:
+    """A free port whose cluster bus port (+10000) is a valid port too."""
+    while True:
+        port = _free_loopback_port()
+        if port < 55000:
+            return port
+
+
+def _wait(check: object, what: str, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if check():  # type: ignore[operator]
+                return
+        except redis.RedisError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{what} did not happen within {timeout_s} s")
+
+
+@contextmanager
+def redis_cluster(workdir: Path, masters: int = 3) -> Iterator[str]:
+    """A Redis Cluster of `masters` masters, no replicas; yields its redis+cluster:// URL."""
+    procs: list[subprocess.Popen[bytes]] = []
+    ports: list[int] = []
+    try:
+        for i in range(masters):
+            node_dir = workdir / f"node{i}"
+            node_dir.mkdir()
+            port = _port_with_bus()
+            proc, _ = start_redis_server(
+                node_dir,
+                port=port,
+                args=["--save", "", "--appendonly", "no", "--cluster-enabled", "yes",
+                      "--cluster-config-file", str(node_dir / "nodes.conf")],
+            )  # fmt: skip
+            procs.append(proc)
+            ports.append(port)
+        subprocess.run(
+            [shutil.which("redis-cli") or "redis-cli", "--cluster", "create",
+             *(f"127.0.0.1:{p}" for p in ports), "--cluster-replicas", "0", "--cluster-yes"],
+            check=True, capture_output=True, timeout=60,
+        )  # fmt: skip
+        for port in ports:
+            client = redis.Redis(port=port)
+            _wait(lambda c=client: c.cluster("info")["cluster_state"] == "ok", "cluster state ok")
+            client.close()
+        yield "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports)
+    finally:
+        for proc in procs:
+            stop_redis_server(proc)
+
+
+class SentinelSet:
+    """A master, `replicas` replicas and three sentinels (quorum 2, down after 1 s)."""
+
+    NAME = "tkmaster"
+
+    def __init__(self, workdir: Path, replicas: int = 1) -> None:
+        self.workdir = workdir
+        self.procs: list[subprocess.Popen[bytes]] = []
+        master_dir = workdir / "master"
+        master_dir.mkdir()
+        self.master, master_url = start_redis_server(master_dir)
+        self.master_port = int(master_url.rsplit(":", 1)[1].split("/")[0])
+        for i in range(replicas):
+            replica_dir = workdir / f"replica{i}"
+            replica_dir.mkdir()
+            replica, _ = start_redis_server(
+                replica_dir,
+                args=["--save", "", "--appendonly", "no",
+                      "--replicaof", "127.0.0.1", str(self.master_port)],
+            )  # fmt: skip
+            self.procs.append(replica)
+        self.sentinel_ports = []
+        for i in range(3):
+            port = _free_loopback_port()
+            config = workdir / f"sentinel{i}.conf"
+            config.write_text(
+                f"port {port}\nbind 127.0.0.1\ndir {workdir}\n"
+                f"sentinel monitor {self.NAME} 127.0.0.1 {self.master_port} 2\n"
+                f"sentinel down-after-milliseconds {self.NAME} 1000\n"
+                f"sentinel failover-timeout {self.NAME} 5000\n"
+            )
+            binary = shutil.which("redis-server") or "redis-server"
+            proc = subprocess.Popen(
+                [binary, str(config), "--sentinel"],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            self.procs.append(proc)
+            self.sentinel_ports.append(port)
+        master = redis.Redis(port=self.master_port)
+        _wait(lambda: master.info("replication")["connected_slaves"] >= replicas, "replication")
+        master.close()
+        for port in self.sentinel_ports:
+            sentinel = redis.Redis(port=port)
+            _wait(
+                lambda s=sentinel: s.sentinel_master(self.NAME)["num-other-sentinels"] >= 2,
+                "sentinels seeing each other",
+            )
+            sentinel.close()
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{p}" for p in self.sentinel_ports)
+        return f"redis+sentinel://{hosts}/{self.NAME}"
+
+    def kill_master(self) -> None:
+        self.master.kill()
+        self.master.wait()
+
+    def promoted(self) -> bool:
+        sentinel = redis.Redis(port=self.sentinel_ports[0])
+        try:
+            _host, port = sentinel.sentinel_get_master_addr_by_name(self.NAME)
+            return int(port) != self.master_port
+        finally:
+            sentinel.close()
+
+    def stop(self) -> None:
+        for proc in [*self.procs, self.master]:
+            if proc.poll() is None:
+                stop_redis_server(proc)
