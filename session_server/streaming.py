@@ -1,9 +1,10 @@
 """Incremental text of a reply being sampled, split into reasoning and content.
 
-Channels switch on the model's *special tokens* (`<think>`, `</think>`, `<tool_call>`), never
-on decoded text: a literal `<tool_call>` the model spelled in sub-words is content, exactly as
-the final token-level parse says. Text after a tool-call token is held back: tool calls are
-delivered whole, parsed from token IDs, when the choice finishes. Bytes of a multibyte
+Channels switch on the model's *special tokens* (`<think>`, `</think>`, and any other added
+token such as `<tool_call>`), never on decoded text: a literal `<tool_call>` the model
+spelled in sub-words is content, exactly as the final token-level parse says. Text after
+such a token is held back: tool calls are delivered whole, parsed from token IDs, when the
+choice finishes. Bytes of a multibyte
 character split across tokens are held until the character is complete. Families whose tool
 calls have no start token (Llama 3 writes a bare JSON object) hold back content that opens
 with `{` until the final parse says whether it was a call or text.
@@ -35,6 +36,10 @@ class ReplyStreamer:
         self._tool_start = vocab.get("<tool_call>")
         self._bare_json_calls = self._tool_start is None
         self._stops = set(model.stop_token_ids)
+        # Any other added token opens a channel the final parse owns (tool-call openers:
+        # <tool_call>, DeepSeek's <｜tool▁calls▁begin｜>, Mistral's [TOOL_CALLS], ...).
+        added = set(getattr(model.tokenizer, "added_tokens_decoder", {}) or {})
+        self._holds = added - self._stops - {self._think_start, self._think_end}
         self._decode = model.tokenizer.decode
         # Templates of reasoning models (QwQ, DeepSeek-R1) open `<think>` in the generation
         # prompt itself: the reply then starts inside the reasoning block.
@@ -55,7 +60,7 @@ class ReplyStreamer:
             elif token == self._think_end and self._channel == "reasoning":
                 self._emit(delta, final=True)
                 self._channel = "content"
-            elif token == self._tool_start and self._channel != "tool":
+            elif token in self._holds and self._channel != "tool":
                 self._emit(delta, final=True)
                 self._channel = "tool"
             elif self._channel != "tool":
