@@ -205,8 +205,10 @@ def _short(text: str) -> str:
 
 def _template_label(pair: Pair) -> str:
     if pair.template == "tokenizer":
-        return f"{pair.tokenizer} (tokenizer's own)"
-    return f"{pair.template.removesuffix('.jinja')} (llama.cpp)"
+        label = f"{pair.tokenizer} (tokenizer's own)"
+    else:
+        label = f"{pair.template.removesuffix('.jinja')} (llama.cpp)"
+    return label if pair.renderer == "auto" else f"{label}, --renderer {pair.renderer}"
 
 
 def markdown(results: list[Result]) -> str:
@@ -270,6 +272,14 @@ def markdown(results: list[Result]) -> str:
     }
     for name in sorted(explained & KNOWN_BREAKS.keys()):
         lines += ["", f"`{name}`: {KNOWN_BREAKS[name]}"]
+    if any(r.pair.renderer != "auto" for r in broken):
+        lines += [
+            "",
+            "Rows with a named renderer are the `renderers` package's own family renderers, "
+            "chosen with `--renderer`: where their `bridge_to_next_turn` cannot be proved "
+            "against the stored tokens tokenkeep refuses it (`bridge_unproven`, a new segment). "
+            "For these families `auto` (the generic end-of-turn splice) is the path to use.",
+        ]
     lines += ["", "## Not applicable scenarios", ""]
     for r in checked:
         assert r.report is not None

@@ -230,6 +230,11 @@ class Scripter:
         body = (
             full[len(prompt) :] if full.startswith(prompt) else self.model.decode(full_ids[common:])
         )
+        think_close = self.model.think_ids[1]
+        closer = self.tokenizer.convert_ids_to_tokens(think_close) if think_close else None
+        if closer and self.model.opens_reasoning(prompt_ids) and closer not in body:
+            # The prompt opened the reasoning block: a model closes it before answering.
+            body = f"Let me answer.\n{closer}\n\n{body.lstrip()}"
         marker = self.marker()
         if marker and marker in body:
             body = body[: body.index(marker)]
