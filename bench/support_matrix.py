@@ -105,6 +105,18 @@ PAIRS = [
 ]
 
 
+WHAT_TOKENKEEP_RECORDS = (
+    "Each break above is refused, never guessed: the turn starts a new segment whose "
+    "`start_reason` (shown as *recorded*) is in the trajectory, and "
+    "`tokenkeep_segment_breaks` counts it. The remaining breaks are tool calls in syntaxes "
+    "the chosen path does not parse (DeepSeek V4's DSML block; DeepSeek R1's renderer on a "
+    "streamed call after reasoning): the harness receives the call as text, or not at all, "
+    "sends back a different assistant message, and the turn no longer matches the stored "
+    "one. The generic path parses tool calls only in the `<tool_call>` JSON syntax; the "
+    "`renderers` family renderers (`--renderer deepseek-v3`, `glm-4.5`, `minimax-m2`) parse "
+    "their own, and are token-exact here."
+)
+
 # Why tokenkeep still breaks where it does, and what it records (see docs/models.md).
 KNOWN_BREAKS = {
     "literal_marker_in_subwords": (
@@ -272,14 +284,8 @@ def markdown(results: list[Result]) -> str:
     }
     for name in sorted(explained & KNOWN_BREAKS.keys()):
         lines += ["", f"`{name}`: {KNOWN_BREAKS[name]}"]
-    if any(r.pair.renderer != "auto" for r in broken):
-        lines += [
-            "",
-            "Rows with a named renderer are the `renderers` package's own family renderers, "
-            "chosen with `--renderer`: where their `bridge_to_next_turn` cannot be proved "
-            "against the stored tokens tokenkeep refuses it (`bridge_unproven`, a new segment). "
-            "For these families `auto` (the generic end-of-turn splice) is the path to use.",
-        ]
+    if broken:
+        lines += ["", WHAT_TOKENKEEP_RECORDS]
     lines += ["", "## Not applicable scenarios", ""]
     for r in checked:
         assert r.report is not None
