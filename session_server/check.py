@@ -58,7 +58,7 @@ TOOL = {
     },
 }
 TOOL_RESULT = '{"temperature": 21, "sky": "clear"}'
-CALL_ID = "call_tokenkeepcheck0"
+CALL_ID = "a1B2c3D4e"  # 9 alphanumerics: what Mistral templates require
 
 
 class CheckInputError(Exception):
@@ -230,6 +230,11 @@ class Scripter:
         body = (
             full[len(prompt) :] if full.startswith(prompt) else self.model.decode(full_ids[common:])
         )
+        think_close = self.model.think_ids[1]
+        closer = self.tokenizer.convert_ids_to_tokens(think_close) if think_close else None
+        if closer and self.model.opens_reasoning(prompt_ids) and closer not in body:
+            # The prompt opened the reasoning block: a model closes it before answering.
+            body = f"Let me answer.\n{closer}\n\n{body.lstrip()}"
         marker = self.marker()
         if marker and marker in body:
             body = body[: body.index(marker)]

@@ -99,7 +99,11 @@ class ChatModel:
         else:
             from renderers import config_from_name
 
-            self.renderer = create_renderer(tokenizer, config_from_name(self.family))
+            config = config_from_name(self.family)
+            if config is not None and "thinking_retention" in type(config).model_fields:
+                # As for Qwen3: sampled reasoning stays in later prompts (no re-render).
+                config = config.model_copy(update={"thinking_retention": "all"})
+            self.renderer = create_renderer(tokenizer, config)
         stop_ids = list(self.renderer.get_stop_token_ids())
         self._renderer_stops = frozenset(stop_ids)
         for extra in _generation_config_eos(tokenizer):

@@ -9,8 +9,9 @@ something else:
   literal `<tool_call>` spelled in sub-words is content, as the parse says. Where the tokenizer
   has no `<think>` token, the parser reads a leading `<think>...</think>` from text, and so
   does the streamer;
-- text after a tool-call token is never streamed: tool calls arrive whole, parsed from the
-  token IDs, when the choice finishes;
+- text after a tool-call token, or after any other added token that is not a stop or a
+  reasoning marker (DeepSeek's `<｜tool▁calls▁begin｜>`, Mistral's `[TOOL_CALLS]`, ...), is
+  never streamed: tool calls arrive whole, parsed from the token IDs, when the choice finishes;
 - families whose tool calls are bare JSON (Llama 3: `{"name": ..., "parameters": ...}`) hold
   a reply that starts with `{` until the end, where the parse decides call or text;
 - whitespace at the edges of a channel is held until text follows it (parsers strip it; how
@@ -48,6 +49,10 @@ class ReplyStreamer:
         self._tool_start = vocab.get("<tool_call>")
         self._bare_json_calls = self._tool_start is None
         self._stops = set(model.stop_token_ids)
+        # Any other added token opens a channel the final parse owns (tool-call openers:
+        # <tool_call>, DeepSeek's <｜tool▁calls▁begin｜>, Mistral's [TOOL_CALLS], ...).
+        added = set(getattr(model.tokenizer, "added_tokens_decoder", {}) or {})
+        self._holds = added - self._stops - {self._think_start, self._think_end}
         self._decode = model.tokenizer.decode
         # Templates of reasoning models (QwQ, DeepSeek-R1, GLM) open `<think>` in the
         # generation prompt itself: the reply then starts inside the reasoning block.
@@ -67,7 +72,7 @@ class ReplyStreamer:
             elif token == self._think_end and self._channel == "reasoning" and not self._text_think:
                 self._flush()
                 self._channel = "content"
-            elif token == self._tool_start and self._channel != "tool":
+            elif token in self._holds and self._channel != "tool":
                 self._flush()
                 self._channel = "tool"
             elif self._channel != "tool":

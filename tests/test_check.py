@@ -160,3 +160,52 @@ def test_generic_splice_metric(renderer: str, expected: float) -> None:
     registry = service.metrics.registry
     assert registry.get_sample_value("tokenkeep_generic_splice_families") == expected
     assert registry.get_sample_value("tokenkeep_check_contiguous") == -1
+
+
+@pytest.mark.parametrize("renderer", ["auto", "generic"])
+def test_generation_prompt_that_opens_reasoning_streams_contiguously(
+    tmp_path: Path, renderer: str
+) -> None:
+    """QwQ / DeepSeek-R1 style: the generation prompt itself ends in `<think>`, so the reply
+    starts inside the reasoning block; streamed replies must parse as the whole ones do."""
+    source = qwen3_dir()
+    folder = tmp_path / "qwq-style"
+    folder.mkdir()
+    for name in ("tokenizer.json", "vocab.json", "merges.txt"):
+        shutil.copy(source / name, folder / name)
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    opener = "{%- if add_generation_prompt %}\n    {{- '<|im_start|>assistant\\n' }}"
+    assert opener in config["chat_template"]
+    config["chat_template"] = config["chat_template"].replace(
+        opener, opener.replace("assistant\\n'", "assistant\\n<think>\\n'")
+    )
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    model = load_model(str(folder), renderer)
+    prompt = model.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, return_dict=False
+    )
+    assert model.opens_reasoning(list(prompt))
+    report = _run(check.run_check(model, apis=("chat", "messages"), streams=(True,)))
+    assert report.rows and report.contiguous, [r.reason for r in report.rows if not r.contiguous]
+
+
+def test_template_that_closes_a_turn_by_opening_the_next(tmp_path: Path) -> None:
+    """GLM style: no end-of-turn token after an assistant message; the next message's role
+    token closes it (and the model stops on it). Here on the Qwen3 vocabulary."""
+    source = qwen3_dir()
+    folder = tmp_path / "glm-style"
+    folder.mkdir()
+    for name in ("tokenizer.json", "vocab.json", "merges.txt"):
+        shutil.copy(source / name, folder / name)
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    model = load_model(str(folder))
+    assert model.family == "generic"
+    assert model.tokenizer.convert_ids_to_tokens(model.close_token_id) == "<|im_start|>"
+    assert model.close_token_id in model.stop_token_ids
+    report = _run(check.run_check(model, apis=("chat",)))
+    assert report.rows and report.contiguous, [r.reason for r in report.rows if not r.contiguous]
