@@ -301,7 +301,7 @@ class Scripter:
 
     def byte_tokens(self, data: bytes) -> list[int] | None:
         out: list[int] = []
-        table = _byte_level_chars() if self.byte_level else {}
+        table = byte_level_chars() if self.byte_level else {}
         for b in data:
             key = f"<0x{b:02X}>"
             if key not in self.vocab:
@@ -312,7 +312,7 @@ class Scripter:
         return out
 
 
-def _byte_level_chars() -> dict[int, str]:
+def byte_level_chars() -> dict[int, str]:
     """The byte -> character table of byte-level BPE vocabularies (GPT-2, Qwen, Llama 3)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
     table = {b: chr(b) for b in printable}

@@ -10,24 +10,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from session_server.check import byte_level_chars
 from session_server.splice import ChatModel
 
 END = "<end-of-turn>"
 """Stands for the model's own end-of-turn token (Qwen3 <|im_end|>, Llama 3 <|eot_id|>)."""
 
 Piece = str | int | bytes
-
-
-def _byte_level_chars() -> dict[int, str]:
-    """The byte -> character table of byte-level BPE vocabularies (GPT-2, Qwen, Llama 3)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
-    table = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
 
 
 def tokens(model: ChatModel, *pieces: Piece) -> list[int]:
@@ -42,7 +31,7 @@ def tokens(model: ChatModel, *pieces: Piece) -> list[int]:
             assert model.close_token_id is not None
             out.append(model.close_token_id)
         elif isinstance(piece, bytes):
-            byte_chars = _byte_level_chars()
+            byte_chars = byte_level_chars()
             out.extend(vocab[byte_chars[b]] for b in piece)
         elif piece in vocab and piece.startswith("<") and piece.endswith(">"):
             out.append(vocab[piece])
