@@ -48,7 +48,8 @@ def test_random_weights_still_call_the_tool(real_stack: RealStack, choice: objec
         tool_choice=choice,  # type: ignore[arg-type]
         max_tokens=96,
         temperature=0.0,
-        extra_body={"reasoning_ended": True},  # constrain from the first token, no thinking
+        # constrain from the first token, no thinking; the reply carries its sampled tokens
+        extra_body={"reasoning_ended": True, "return_token_ids": True},
     )
     calls = completion.choices[0].message.tool_calls or []
     assert calls, completion.choices[0].message
