@@ -27,6 +27,7 @@ import hashlib
 import json
 import logging
 import re
+import secrets
 import sys
 import uuid
 from collections import deque
@@ -700,7 +701,11 @@ async def run_check(
 
     report = Report(model=name or str(model.tokenizer.name_or_path), renderer=model.family)
     engine = ScriptedEngine()
-    settings = Settings(model=CHECK_MODEL, tokenizer="", renderer=model.family)
+    # The in-process app is the check's own: whatever TOKENKEEP_ADMIN_KEY the environment sets
+    # (the operator always sets one), it gets a key of its own and every request presents it,
+    # so the check goes through the auth layer as a deployed server's clients do.
+    admin_key = secrets.token_urlsafe(24)
+    settings = Settings(model=CHECK_MODEL, tokenizer="", renderer=model.family, admin_key=admin_key)
     service = build_service(
         settings,
         store=MemoryStore(),
@@ -721,7 +726,10 @@ async def run_check(
     runs = [(s, c, api, stream) for s, c in planned for api in apis for stream in streams]
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(
-        transport=transport, base_url="http://check", timeout=60
+        transport=transport,
+        base_url="http://check",
+        headers={"Authorization": f"Bearer {admin_key}"},
+        timeout=60,
     ) as client:
         for done, (scenario, completion, api, stream) in enumerate(runs):
             if progress:

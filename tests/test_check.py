@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -20,12 +21,13 @@ from tests.real_tokenizers import llama32_dir, qwen3_dir
 SCENARIO_KEYS = {"name", "api", "stream", "naive_contiguous", "contiguous", "reason"}
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "session_server.cli", "check", *args],
         capture_output=True,
         text=True,
         timeout=300,
+        env=None if env is None else os.environ | env,
     )
 
 
@@ -52,6 +54,15 @@ def test_qwen3_is_contiguous_where_a_rerender_breaks_its_reasoning() -> None:
     # The template drops an earlier turn's reasoning: the text itself changes, not a split.
     plain = [r for r in reasoning if r["name"] == "reasoning"]
     assert all("naive: turn 2" in r["reason"] and "text changed" in r["reason"] for r in plain)
+
+
+def test_admin_key_in_the_environment_does_not_lock_the_check_out() -> None:
+    """Operator-managed servers have TOKENKEEP_ADMIN_KEY set: the check's in-process requests
+    must still be answered (they once all got 401, read as "every scenario breaks")."""
+    env = {"TOKENKEEP_ADMIN_KEY": "admin-" + "k" * 40}
+    result = run_cli("--tokenizer", str(qwen3_dir()), "--json", env=env)
+    assert_contiguous(result, "qwen3")
+    assert "401" not in result.stdout
 
 
 def test_llama32_is_contiguous_and_names_its_path() -> None:

@@ -64,12 +64,17 @@ class LiveServer:
         raise RuntimeError("no VmRSS")
 
 
-def start_server(tmp: Path, double: EngineDouble, *args: str) -> LiveServer:
+def start_server(
+    tmp: Path, double: EngineDouble, *args: str, env: dict[str, str] | None = None
+) -> LiveServer:
+    """`env`: TOKENKEEP_* settings given as the operator gives them (environment variables)."""
     port = _free_loopback_port()
     log = tmp / f"serve-{port}.log"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("TOKENKEEP_")} | {
-        "TOKENKEEP_LOG_LEVEL": "warning"
-    }
+    env = (
+        {k: v for k, v in os.environ.items() if not k.startswith("TOKENKEEP_")}
+        | {"TOKENKEEP_LOG_LEVEL": "warning"}
+        | (env or {})
+    )
     command = [
         sys.executable,
         "-m",
@@ -94,6 +99,7 @@ def start_server(tmp: Path, double: EngineDouble, *args: str) -> LiveServer:
     server = LiveServer(url=f"http://127.0.0.1:{port}", proc=proc, log=log)
     if "--admin-key" in args:
         server.admin_key = args[args.index("--admin-key") + 1]
+    server.admin_key = server.admin_key or env.get("TOKENKEEP_ADMIN_KEY")
     deadline = time.monotonic() + 120
     while True:
         if proc.poll() is not None:
