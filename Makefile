@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-integration engine browser lint venv k8s-deps
+.PHONY: demo test test-integration engine browser lint venv k8s-deps images
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,14 @@ k8s-deps:
 		{ SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		  $$SUDO apt-get install -y -q etcd-server kubectl >/dev/null 2>&1 || \
 		  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q etcd-server kubectl >/dev/null; }; }
+
+# Docker-archive images of the CPU stack (tokenkeep, vLLM CPU engine, Redis) in dist/images/,
+# built from Debian root filesystems without any registry (images/build.py); cached.
+images: $(STAMP) engine
+	@command -v mmdebstrap >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get install -y -q mmdebstrap >/dev/null 2>&1 || \
+		{ $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q mmdebstrap >/dev/null; }; }
+	$(PY) images/build.py
 
 test: $(STAMP) engine browser k8s-deps
 	$(VENV)/bin/ruff check .

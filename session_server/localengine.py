@@ -398,22 +398,27 @@ class LocalEngine:
         self.stop()
 
 
+# The CPU engine's environment here and in the engine image (images/build.py).
+CPU_ENGINE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "OMP_NUM_THREADS": "2",
+    # Binding OpenMP threads to cores fights the other processes on a shared machine.
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+}
+
+
 def _engine_env(kv_cache_gib: int, threads: int, dev_mode: bool = False) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "CUDA_"))}
     if dev_mode:
         # vLLM's development endpoints, among them POST /update_weight_version and
         # GET /weight_info (policy versions); never on an engine others can reach.
         env["VLLM_SERVER_DEV_MODE"] = "1"
-    env.update(
-        VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),
-        OMP_NUM_THREADS=str(threads),
-        # Binding OpenMP threads to cores fights the other processes on a shared machine.
-        VLLM_CPU_OMP_THREADS_BIND="nobind",
-        VLLM_NO_USAGE_STATS="1",
-        DO_NOT_TRACK="1",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-    )
+    env.update(CPU_ENGINE_ENV)
+    env.update(VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib), OMP_NUM_THREADS=str(threads))
     return env
 
 

@@ -29,7 +29,7 @@ MAX_NAME_LENGTH = 48
 
 QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
 Quantity = Annotated[str, Field(pattern=QUANTITY_PATTERN)]
-MODEL_URI_PATTERN = "^(hf|pvc)://[^/ ]+(/[^ ]*)?$"
+MODEL_URI_PATTERN = "^((hf|pvc)://[^/ ]+(/[^ ]*)?|file:///[^ ]+)$"
 
 
 def cel(rule: str, message: str) -> dict[str, Any]:
@@ -94,12 +94,14 @@ class ModelSource(CRDModel):
     uri: str = Field(
         max_length=512,
         description=(
-            "hf://ORG/NAME for a Hugging Face repository (downloaded into the cache PVC), or "
-            "pvc://CLAIM/PATH for weights already on a PersistentVolumeClaim."
+            "hf://ORG/NAME for a Hugging Face repository (downloaded into the cache PVC), "
+            "pvc://CLAIM/PATH for weights already on a PersistentVolumeClaim, or "
+            "file:///PATH for a model directory inside the engine image (built into it, no "
+            "hub involved; the session servers copy its tokenizer from that image)."
         ),
         json_schema_extra=cel(
             f"self.matches('{MODEL_URI_PATTERN}')",
-            "uri must be hf://ORG/NAME or pvc://CLAIM/PATH",
+            "uri must be hf://ORG/NAME, pvc://CLAIM/PATH or file:///PATH",
         ),
     )
     revision: str | None = Field(None, description="Hugging Face revision (branch, tag, commit).")
@@ -111,18 +113,19 @@ class ModelSource(CRDModel):
     )
 
     @property
-    def scheme(self) -> Literal["hf", "pvc"]:
-        return "hf" if self.uri.startswith("hf://") else "pvc"
+    def scheme(self) -> Literal["hf", "pvc", "file"]:
+        scheme = self.uri.split("://", 1)[0]
+        return "hf" if scheme == "hf" else "file" if scheme == "file" else "pvc"
 
     @property
     def location(self) -> str:
-        """What follows the scheme: ORG/NAME, or CLAIM/PATH."""
+        """What follows the scheme: ORG/NAME, CLAIM/PATH, or /PATH."""
         return self.uri.split("://", 1)[1]
 
     @model_validator(mode="after")
     def _check_uri(self) -> ModelSource:
         if not re.match(MODEL_URI_PATTERN, self.uri):
-            raise ValueError("uri: must be hf://ORG/NAME or pvc://CLAIM/PATH")
+            raise ValueError("uri: must be hf://ORG/NAME, pvc://CLAIM/PATH or file:///PATH")
         return self
 
 
@@ -188,7 +191,14 @@ class Engine(CRDModel):
 class GPUResources(CRDModel):
     """What each replica gets: GPUs (requests = limits), CPU, memory, shared memory."""
 
-    gpus: int = Field(1, ge=1, le=64, description="GPUs per replica.")
+    gpus: int = Field(
+        1,
+        ge=0,
+        le=64,
+        description="GPUs per replica. 0: a CPU engine (an image of vLLM's CPU build): no GPU "
+        "is requested and no --gpu-memory-utilization passed; size its KV cache with the "
+        "VLLM_CPU_KVCACHE_SPACE variable (GiB) in engine.env.",
+    )
     gpu_resource_name: str = Field(
         "nvidia.com/gpu", description="Extended resource name the GPUs are requested as."
     )
@@ -234,7 +244,7 @@ class ModelServerSpec(CRDModel):
 
     @property
     def pipeline_parallel_size(self) -> int:
-        return self.resources.gpus // self.engine.tensor_parallel_size
+        return max(1, self.resources.gpus // self.engine.tensor_parallel_size)
 
 
 # --- SessionServer -----------------------------------------------------------------------
@@ -306,7 +316,9 @@ class SessionServerSpec(CRDModel):
     )
     tokenizer: str | None = Field(
         None,
-        description="Tokenizer path or Hugging Face id; defaults to the model of an hf:// uri.",
+        description="Tokenizer path or Hugging Face id; defaults to the model of an hf:// uri, "
+        "and to the model directory's own tokenizer for a file:/// uri (copied from the engine "
+        "image at pod start).",
     )
     renderer: str = Field("auto", description="Chat renderer (TOKENKEEP_RENDERER).")
     redis: Redis = Field(Redis(), description=Redis.__doc__)

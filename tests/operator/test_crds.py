@@ -114,8 +114,10 @@ def _modelserver(**spec_changes: Any) -> dict[str, Any]:
     [
         ({"resources__gpus": 2, "engine__tensorParallelSize": 4}, "multiple of"),
         ({"resources__gpus": 6, "engine__tensorParallelSize": 4}, "multiple of"),
-        ({"model__uri": "s3://bucket/model"}, "hf://ORG/NAME or pvc://CLAIM/PATH"),
-        ({"model__uri": "hf://"}, "hf://ORG/NAME or pvc://CLAIM/PATH"),
+        ({"model__uri": "s3://bucket/model"}, "hf://ORG/NAME, pvc://CLAIM/PATH or file:///PATH"),
+        ({"model__uri": "hf://"}, "hf://ORG/NAME, pvc://CLAIM/PATH or file:///PATH"),
+        ({"model__uri": "file://relative/path"}, "file:///PATH"),
+        ({"resources__gpus": -1}, "minimum"),
         ({"replicas": -1}, "minimum"),
         ({"engine__gpuMemoryUtilization": 0}, "minimum"),
         ({"engine__gpuMemoryUtilization": 1.5}, "maximum"),
@@ -146,7 +148,9 @@ def test_long_names_are_rejected() -> None:
     spec, problems = validate(ModelServerSpec, {**resource, "spec": {"model": {"uri": "s3://x"}}})
     assert spec is None
     assert problems[0].startswith("metadata.name: 49 characters, at most 48"), problems
-    assert problems[1] == "spec.model.uri: must be hf://ORG/NAME or pvc://CLAIM/PATH", problems
+    assert problems[1] == (
+        "spec.model.uri: must be hf://ORG/NAME, pvc://CLAIM/PATH or file:///PATH"
+    ), problems
 
 
 def test_every_error_at_once_in_field_paths_without_pydantic_noise() -> None:

@@ -82,6 +82,10 @@ SCENARIOS = {
     "sessionserver-external-redis": lambda: render_sessionserver(
         external_sessionserver(), pvc_modelserver()
     ),
+    "modelserver-cpu": lambda: render_modelserver(load_example("cpu/modelserver.yaml")),
+    "sessionserver-cpu": lambda: render_sessionserver(
+        load_example("cpu/sessionserver.yaml"), load_example("cpu/modelserver.yaml")
+    ),
 }
 
 
@@ -281,3 +285,39 @@ def test_routing_replay_switch_adds_the_engine_flag() -> None:
     assert "--enable-return-routed-experts" not in args(modelserver)
     modelserver["spec"]["engine"]["returnRoutedExperts"] = True
     assert "--enable-return-routed-experts" in args(modelserver)
+
+
+def test_cpu_engine_requests_no_gpu_and_fits_a_two_cpu_node() -> None:
+    deployment = next(d for d in SCENARIOS["modelserver-cpu"]() if d["kind"] == "Deployment")
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert container["resources"] == {
+        "requests": {"cpu": "250m", "memory": "3Gi"},
+        "limits": {"memory": "3Gi"},
+    }
+    assert container["command"] == ["vllm", "serve"]
+    assert container["args"][0] == "/models/tiny-qwen3"  # file:///models/tiny-qwen3
+    assert "--gpu-memory-utilization" not in container["args"]
+    assert "--enable-scale-out" in container["args"]  # the token-in endpoint
+    assert not any(v["name"] == "model" for v in deployment["spec"]["template"]["spec"]["volumes"])
+
+
+def test_file_model_tokenizer_is_copied_from_the_engine_image() -> None:
+    objects = SCENARIOS["sessionserver-cpu"]()
+    config = next(d for d in objects if d["kind"] == "ConfigMap")
+    assert config["data"]["TOKENKEEP_TOKENIZER"] == session.TOKENIZER_PATH
+    pod = next(d for d in objects if d["kind"] == "Deployment")["spec"]["template"]["spec"]
+    (init,) = pod["initContainers"]
+    assert init["image"] == "tokenkeep/vllm-cpu:0.32.0-local"
+    assert init["imagePullPolicy"] == "Never"
+    script = init["command"][2]
+    assert script.startswith("find '/models/tiny-qwen3' -maxdepth 1 -type f")
+    assert "! -name '*.safetensors'" in script and script.endswith(f"{session.TOKENIZER_PATH}/ ';'")
+    (container,) = pod["containers"]
+    assert {"name": "tokenizer", "mountPath": "/tokenizer", "readOnly": True} in container[
+        "volumeMounts"
+    ]
+    redis_args = next(d for d in objects if d["kind"] == "StatefulSet")["spec"]["template"]["spec"][
+        "containers"
+    ][0]["args"]
+    # Debian's redis-server (make images) answers pod clients only with protected mode off.
+    assert redis_args[1:3] == ["--protected-mode", "no"]

@@ -72,7 +72,7 @@ def grace_period_seconds(spec: ModelServerSpec) -> int:
 
 def _model_location(spec: ModelServerSpec) -> tuple[str, dict[str, Any] | None]:
     """What `vllm serve` loads, and the volume holding it for pvc:// uris."""
-    if spec.model.scheme == "hf":
+    if spec.model.scheme in {"hf", "file"}:
         return spec.model.location, None
     claim, _, path = spec.model.location.partition("/")
     volume = {"name": "model", "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}
@@ -91,7 +91,8 @@ def vllm_args(owner_name: str, spec: ModelServerSpec) -> list[str]:
     ]  # fmt: skip
     if spec.pipeline_parallel_size > 1:
         args += ["--pipeline-parallel-size", str(spec.pipeline_parallel_size)]
-    args += ["--gpu-memory-utilization", str(engine.gpu_memory_utilization)]
+    if spec.resources.gpus:
+        args += ["--gpu-memory-utilization", str(engine.gpu_memory_utilization)]
     if engine.max_model_len:
         args += ["--max-model-len", str(engine.max_model_len)]
     if spec.model.revision and spec.model.scheme == "hf":
@@ -109,7 +110,10 @@ def vllm_args(owner_name: str, spec: ModelServerSpec) -> list[str]:
 
 
 def _container(owner: Owner, spec: ModelServerSpec) -> dict[str, Any]:
-    gpus = {spec.resources.gpu_resource_name: str(spec.resources.gpus)}
+    # gpus 0: a CPU engine, scheduled by its cpu and memory requests alone.
+    gpus = (
+        {spec.resources.gpu_resource_name: str(spec.resources.gpus)} if spec.resources.gpus else {}
+    )
     requests = dict(gpus)
     limits = dict(gpus)
     if spec.resources.cpu:

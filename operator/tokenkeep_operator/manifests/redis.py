@@ -20,7 +20,17 @@ PORT = 6379
 # The uid and gid of the `redis` user in the official images.
 REDIS_UID = 999
 # Append-only file, synced every second: a restart loses at most a second of turns.
-SERVER_ARGS = ["redis-server", "--appendonly", "yes", "--appendfsync", "everysec", "--dir", "/data"]
+# Protected mode off: without a config file redis-server answers only loopback clients unless
+# told otherwise (the official image's entrypoint says so itself, Debian's package does not);
+# in a pod the session servers are never loopback, and only they can reach it (ClusterIP-less
+# Service, no password: the namespace's network is the boundary, as with the official image).
+SERVER_ARGS = [
+    "redis-server",
+    "--protected-mode", "no",
+    "--appendonly", "yes",
+    "--appendfsync", "everysec",
+    "--dir", "/data",
+]  # fmt: skip
 
 
 def statefulset_name(owner_name: str) -> str:

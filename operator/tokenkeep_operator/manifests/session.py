@@ -35,6 +35,12 @@ ADMIN_KEY_SECRET_KEY = "admin-key"
 SHUTDOWN_MARGIN_SECONDS = 6
 
 
+# A file:/// model lives in the engine image: an init container running that image copies the
+# model directory's small files (tokenizer, chat template, configs; not the weights) here.
+TOKENIZER_PATH = "/tokenizer"
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+
+
 class ConfigError(ValueError):
     """The SessionServer cannot be rendered as specified (the message says what to change)."""
 
@@ -64,6 +70,8 @@ def tokenizer(spec: SessionServerSpec, model_server: ModelServerSpec) -> str:
         return spec.tokenizer
     if model_server.model.scheme == "hf":
         return model_server.model.location
+    if model_server.model.scheme == "file":
+        return TOKENIZER_PATH
     raise ConfigError(
         "spec.tokenizer is required when the ModelServer loads its model from a pvc:// uri"
     )
@@ -186,6 +194,18 @@ def deployment(
     }
     if not container["env"]:
         del container["env"]
+    volumes: list[dict[str, Any]] = [
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "cache", "emptyDir": {}},
+    ]
+    init_containers = []
+    if not spec.tokenizer and model_server.model.scheme == "file":
+        init_containers.append(_tokenizer_copy(model_server))
+        volumes.append({"name": "tokenizer", "emptyDir": {}})
+        container["volumeMounts"].append(
+            {"name": "tokenizer", "mountPath": TOKENIZER_PATH, "readOnly": True}
+        )
+    pod_extra = {"initContainers": init_containers} if init_containers else {}
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -223,15 +243,37 @@ def deployment(
                         "runAsGroup": TOKENKEEP_UID,
                         "seccompProfile": {"type": "RuntimeDefault"},
                     },
+                    **pod_extra,
                     "containers": [container],
-                    "volumes": [
-                        {"name": "tmp", "emptyDir": {}},
-                        {"name": "cache", "emptyDir": {}},
-                    ],
+                    "volumes": volumes,
                     **scheduling_fields(spec.scheduling),
                 },
             },
         },
+    }
+
+
+def _tokenizer_copy(model_server: ModelServerSpec) -> dict[str, Any]:
+    """Copies the tokenizer of a file:/// model out of the engine image (which has a shell),
+    so that the session server reads the very files the engine serves with, no hub needed."""
+    source = model_server.model.location.rstrip("/")
+    skip = " ".join(f"! -name '*{suffix}'" for suffix in WEIGHT_SUFFIXES)
+    return {
+        "name": "tokenizer",
+        "image": model_server.engine.image,
+        "imagePullPolicy": model_server.engine.image_pull_policy,
+        "command": [
+            "sh",
+            "-c",
+            f"find '{source}' -maxdepth 1 -type f {skip} -exec cp {{}} {TOKENIZER_PATH}/ ';'",
+        ],
+        "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": [{"name": "tokenizer", "mountPath": TOKENIZER_PATH}],
     }
 
 
