@@ -60,6 +60,11 @@ class LeaderElector:
         meta: dict[str, Any] = {"name": self.name, "namespace": self.namespace}
         if live is not None:
             meta["resourceVersion"] = live["metadata"]["resourceVersion"]
+            # The chart makes the Lease (so that `helm uninstall` removes it): keep its labels
+            # and Helm's ownership annotations, which a replace would otherwise drop.
+            for key in ("labels", "annotations"):
+                if live["metadata"].get(key):
+                    meta[key] = live["metadata"][key]
         return {
             "apiVersion": "coordination.k8s.io/v1",
             "kind": "Lease",

@@ -78,7 +78,7 @@ def _parse_with_vllm(commands: list[list[str]]) -> dict[str, Any]:
 def test_vllm_accepts_the_rendered_command_lines() -> None:
     skip_if_asked()
     commands = _engine_commands()
-    assert len(commands) == 3
+    assert len(commands) == 4  # examples/ (GPU), a pvc:// model, examples/cpu/
     assert all(command[:2] == ["vllm", "serve"] for command in commands)
     # One malformed line alongside shows the check can fail (vLLM refuses unknown flags).
     result = _parse_with_vllm([*commands, MALFORMED])
