@@ -28,23 +28,25 @@ browser:
 	@command -v chromium >/dev/null || { apt-get update -qq && \
 		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
 
-# etcd and kubectl (Debian packages) for the operator's real-API-server tests
-# (tests/operator/test_real_cluster.py starts ../shared/k8s/start-cluster.sh with them).
+# Debian packages for the real-cluster tiers: etcd and kubectl for the operator's API-server
+# tests (tests/operator/test_real_cluster.py starts ../shared/k8s/start-cluster.sh), and the
+# node's (start-node.sh: containerd, runc, CNI plugins, iptables, socat, gcc for its pause
+# binary) plus mmdebstrap for `make images`, for tests/cluster/.
+K8S_PACKAGES := etcd-server kubectl containerd runc containernetworking-plugins iptables socat \
+	gcc libc6-dev mmdebstrap
 k8s-deps:
-	@command -v etcd >/dev/null && command -v kubectl >/dev/null || \
+	@command -v etcd >/dev/null && command -v kubectl >/dev/null && command -v containerd \
+		>/dev/null && command -v mmdebstrap >/dev/null && [ -x /usr/lib/cni/bridge ] || \
 		{ SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-		  $$SUDO apt-get install -y -q etcd-server kubectl >/dev/null 2>&1 || \
-		  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q etcd-server kubectl >/dev/null; }; }
+		  $$SUDO apt-get install -y -q $(K8S_PACKAGES) >/dev/null 2>&1 || \
+		  { $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q $(K8S_PACKAGES) >/dev/null; }; }
 
 # Docker-archive images of the CPU stack (tokenkeep, vLLM CPU engine, Redis) in dist/images/,
 # built from Debian root filesystems without any registry (images/build.py); cached.
-images: $(STAMP) engine
-	@command -v mmdebstrap >/dev/null || { SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-		$$SUDO apt-get install -y -q mmdebstrap >/dev/null 2>&1 || \
-		{ $$SUDO apt-get update -q >/dev/null && $$SUDO apt-get install -y -q mmdebstrap >/dev/null; }; }
+images: $(STAMP) engine k8s-deps
 	$(PY) images/build.py
 
-test: $(STAMP) engine browser k8s-deps
+test: $(STAMP) engine browser k8s-deps images
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q -ra
 
