@@ -110,9 +110,29 @@ def assert_contiguous(turns: list[dict[str, Any]]) -> None:
         assert after["prompt_ids"][: len(stored)] == stored
 
 
+def diagnose(node: Node) -> None:
+    """What an admin would look at, printed when a step fails."""
+    for args in (
+        ("get", "pods", "-n", NS, "-o", "wide"),
+        ("describe", "pods", "-n", NS, "-l", "app.kubernetes.io/name=vllm"),
+        ("logs", "-n", NS, "-l", "app.kubernetes.io/name=vllm", "--tail=60"),
+        ("logs", "-n", NS, "-l", "app.kubernetes.io/name=tokenkeep", "--tail=60"),
+        ("get", "events", "-n", NS),
+    ):
+        print(f"$ kubectl {' '.join(args)}\n{node.kubectl(*args, check=False)}")
+
+
 def test_helm_install_apply_examples_and_a_harness_through_the_service(
     node: Node, release: Any
 ) -> None:
+    try:
+        run_stack(node)
+    except BaseException:
+        diagnose(node)
+        raise
+
+
+def run_stack(node: Node) -> None:
     # The operator: a pod of the chart's Deployment, Ready, holding the chart's Lease.
     lease = node.json("get", "lease", "tokenkeep-operator", "-n", OPERATOR_NAMESPACE)
     assert lease["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE

@@ -291,8 +291,8 @@ def test_cpu_engine_requests_no_gpu_and_fits_a_two_cpu_node() -> None:
     deployment = next(d for d in SCENARIOS["modelserver-cpu"]() if d["kind"] == "Deployment")
     (container,) = deployment["spec"]["template"]["spec"]["containers"]
     assert container["resources"] == {
-        "requests": {"cpu": "250m", "memory": "3Gi"},
-        "limits": {"memory": "3Gi"},
+        "requests": {"cpu": "250m", "memory": "6Gi"},
+        "limits": {"memory": "6Gi"},
     }
     assert container["command"] == ["vllm", "serve"]
     assert container["args"][0] == "/models/tiny-qwen3"  # file:///models/tiny-qwen3
