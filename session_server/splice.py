@@ -81,29 +81,21 @@ class ChatModel:
 
     def __init__(self, tokenizer: Any, renderer_name: str = "auto") -> None:
         self.tokenizer = tokenizer
-        self.family = detect_family(tokenizer) if renderer_name == "auto" else renderer_name
-        if self.family == GENERIC:
-            self.renderer = create_renderer(
-                tokenizer,
-                DefaultRendererConfig(
-                    tool_parser="qwen3"
-                    if _has_tokens(tokenizer, "<tool_call>", "</tool_call>")
-                    else None,
-                    reasoning_parser="think"
-                    if _has_tokens(tokenizer, "<think>", "</think>")
-                    else None,
-                ),
-            )
-        elif self.family in _FAMILY_CONFIGS:
-            self.renderer = create_renderer(tokenizer, _FAMILY_CONFIGS[self.family]())
+        if renderer_name == "auto":
+            self.path = choose_path(tokenizer)
         else:
-            from renderers import config_from_name
-
-            config = config_from_name(self.family)
-            if config is not None and "thinking_retention" in type(config).model_fields:
-                # As for Qwen3: sampled reasoning stays in later prompts (no re-render).
-                config = config.model_copy(update={"thinking_retention": "all"})
-            self.renderer = create_renderer(tokenizer, config)
+            self.path = PathChoice(
+                renderer_name,
+                "named with --renderer",
+                template_bridge=renderer_name == GENERIC,
+            )
+        self.family = self.path.family
+        self.renderer = (
+            _generic_renderer(tokenizer)
+            if self.family == GENERIC
+            else self.path.renderer or _family_renderer(tokenizer, self.family)
+        )
+        self.template_bridge = self.path.template_bridge
         stop_ids = list(self.renderer.get_stop_token_ids())
         self._renderer_stops = frozenset(stop_ids)
         for extra in _generation_config_eos(tokenizer):
@@ -140,8 +132,9 @@ class ChatModel:
     # --- rendering --------------------------------------------------------------------
 
     def render_prompt(self, messages: list[Message], tools: list[Tool]) -> list[int]:
-        """A whole prompt, ending where the next assistant turn starts generating."""
-        if self.family == GENERIC:
+        """A whole prompt, ending where the next assistant turn starts generating (by the
+        template itself wherever the renderer was not shown to render as it does)."""
+        if self.template_bridge:
             return self._apply_template(messages, tools, add_generation_prompt=True)
         return list(
             self.renderer.render_ids(
@@ -180,7 +173,7 @@ class ChatModel:
             return Bridge(None, "no_new_messages")
         if any(m.role == "assistant" for m in new_messages):
             return Bridge(None, "assistant_message_not_sampled")
-        if self.family == GENERIC:
+        if self.template_bridge:
             delta = self._generic_bridge(
                 prompt_ids, completion_ids, finish_reason, history, new_messages, tools
             )
@@ -473,21 +466,304 @@ def _has_tokens(tokenizer: Any, *tokens: str) -> bool:
     return all(t in vocab for t in tokens)
 
 
+@dataclass(frozen=True, slots=True)
+class PathChoice:
+    """Which path serves the model, and why (shown by `tokenkeep check` and `/metrics`)."""
+
+    family: str
+    """A `renderers` renderer name, or `generic`."""
+    reason: str
+    template_bridge: bool
+    """New messages are rendered by the chat template itself (the generic end-of-turn
+    splice), not by the renderer: the renderer then only parses replies."""
+    renderer: Any = None
+
+
+# The renderers tokenkeep knows first (its own tests and tuned configs), then every other
+# family the installed `renderers` package maps a model to.
+_PREFERRED = ("qwen3", "llama-3")
+
+
+def _known_families() -> list[str]:
+    from renderers.base import MODEL_RENDERER_MAP
+
+    others = sorted(set(MODEL_RENDERER_MAP.values()) - set(_PREFERRED))
+    return [*_PREFERRED, *others]
+
+
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+_PROBE_CALL = {
+    "id": "a1B2c3D4e",  # 9 alphanumerics: what Mistral templates require
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+}
+# (name, messages, with tools); the first two must render alike for a renderer to be chosen.
+_PROBES: list[tuple[str, list[dict[str, Any]], bool]] = [
+    (
+        "system+user",
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}],
+        False,
+    ),
+    (
+        "second user turn",
+        [
+            {"role": "user", "content": "Hi there"},
+            {"role": "assistant", "content": "Hello! How can I help?"},
+            {"role": "user", "content": "Weather?"},
+        ],
+        False,
+    ),
+    ("tool definitions", [{"role": "user", "content": "Weather in Paris?"}], True),
+    (
+        "tool call and result",
+        [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [_PROBE_CALL]},
+            {"role": "tool", "tool_call_id": "a1B2c3D4e", "content": '{"sky": "clear"}'},
+        ],
+        True,
+    ),
+]
+_REQUIRED_PROBES = 2
+
+
+def _template_text(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: bool,
+    *,
+    generation_prompt: bool = True,
+) -> str | None:
+    """The template's text, with tool-call arguments as objects (as vLLM's chat endpoint
+    passes them) or, where the template concatenates them, as JSON strings."""
+    for attempt in (messages, _arguments_as_strings(messages)):
+        try:
+            return str(
+                tokenizer.apply_chat_template(
+                    attempt,
+                    tools=[_PROBE_TOOL] if tools else None,
+                    add_generation_prompt=generation_prompt,
+                    tokenize=False,
+                )
+            )
+        except Exception:  # templates raise on shapes they do not support
+            continue
+    return None
+
+
+def _arguments_as_strings(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        {
+            **m,
+            "tool_calls": [
+                {
+                    **c,
+                    "function": {
+                        **c["function"],
+                        "arguments": json.dumps(c["function"]["arguments"]),
+                    },
+                }
+                for c in m["tool_calls"]
+            ],
+        }
+        if m.get("tool_calls")
+        else m
+        for m in messages
+    ]
+
+
+def _renderer_text(
+    renderer: Any, tokenizer: Any, messages: list[dict[str, Any]], tools: bool
+) -> str | None:
+    try:
+        ids = renderer.render_ids(
+            _arguments_as_strings(messages),
+            tools=[_PROBE_TOOL] if tools else None,
+            add_generation_prompt=True,
+        )
+    except Exception:  # a renderer refuses shapes outside its family
+        return None
+    return str(tokenizer.decode(list(ids), skip_special_tokens=False))
+
+
+_PROBE_REPLIES: dict[str, tuple[dict[str, Any], bool]] = {
+    "tool call": ({"role": "assistant", "content": "", "tool_calls": [_PROBE_CALL]}, True),
+    "reasoning": (
+        {"role": "assistant", "reasoning_content": "Sunny is likely.", "content": "Sunny."},
+        False,
+    ),
+}
+
+
+def template_reply(tokenizer: Any, kind: str) -> tuple[list[int], list[int]] | None:
+    """(prompt, reply) token IDs of a probe reply (`tool call`, `reasoning`) as the template
+    writes it after its generation prompt: the syntax the model was trained to sample. None
+    where the template does not render that kind of reply."""
+    reply, tools = _PROBE_REPLIES[kind]
+    user = [{"role": "user", "content": "Weather in Paris?"}]
+    prompt = _template_text(tokenizer, user, tools)
+    full = _template_text(tokenizer, [*user, reply], tools, generation_prompt=False)
+    witness = "get_weather" if tools else "Sunny is likely."
+    if prompt is None or full is None or witness not in full[len(prompt) :]:
+        return None
+    # Where the finished turn is written unlike the generation prompt (a thinking prompt
+    # opens `<think>`, the finished turn does not), the model samples what follows their
+    # common tokens; a reasoning block the prompt opened is closed before the answer.
+    encode = functools.partial(tokenizer.encode, add_special_tokens=False)
+    prompt_ids, full_ids = list(encode(prompt)), list(encode(full))
+    common = 0
+    while common < min(len(prompt_ids), len(full_ids)) and prompt_ids[common] == full_ids[common]:
+        common += 1
+    body = str(tokenizer.decode(full_ids[common:], skip_special_tokens=False))
+    opened = str(tokenizer.decode(prompt_ids[common:], skip_special_tokens=False))
+    if "<think>" in opened and "</think>" not in body:
+        body = f"Let me answer.\n</think>\n\n{body.lstrip()}"
+    return prompt_ids, list(encode(body))
+
+
+def parses_probe(renderer: Any, tokenizer: Any, kind: str) -> bool | None:
+    """Whether the renderer reads the template's own probe reply back (the tool call as the
+    call, the reasoning as reasoning); None where the template writes no such reply."""
+    probe = template_reply(tokenizer, kind)
+    if probe is None:
+        return None
+    prompt_ids, reply = probe
+    stops = set(renderer.get_stop_token_ids())
+    end = next((i for i, t in enumerate(reply) if t in stops), None)
+    reply = reply if end is None else reply[: end + 1]
+    try:
+        parsed = renderer.parse_response(reply, tools=[_PROBE_TOOL], prompt_ids=prompt_ids)
+    except Exception:  # a parser that cannot read this syntax at all
+        return False
+    if kind == "reasoning":
+        return (parsed.reasoning_content or "").strip() == "Sunny is likely." and (
+            parsed.content or ""
+        ).strip() == "Sunny."
+    calls = [c for c in parsed.tool_calls if c.status == ToolCallParseStatus.OK]
+    arguments = calls[0].arguments if len(calls) == 1 else None
+    if isinstance(arguments, str):
+        arguments = _arguments_value(arguments)
+    return bool(calls) and calls[0].name == "get_weather" and arguments == {"city": "Paris"}
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def choose_path(tokenizer: Any) -> PathChoice:
+    """The `renderers` renderer that reads this template's own replies (its tool calls,
+    its reasoning) and renders its conversations most alike; the tokenizer and template
+    decide, never a folder or model name. The generic splice where none does.
+
+    The renderer parses replies. Where it renders any probe conversation differently from
+    the template (a deliberate deviation such as DeepSeek R1's `<think>` after tool results,
+    or a default such as a system prompt naming another model version), new messages are
+    rendered by the template itself, the reference."""
+    if not getattr(tokenizer, "chat_template", None):
+        return PathChoice(GENERIC, "the tokenizer has no chat template", template_bridge=True)
+    references = [(name, _template_text(tokenizer, m, t), m, t) for name, m, t in _PROBES]
+    if any(text is None for _, text, _, _ in references[:_REQUIRED_PROBES]):
+        return PathChoice(
+            GENERIC, "the chat template cannot render the probe conversations", template_bridge=True
+        )
+    best: tuple[tuple[int, int, int], str, Any, list[str], list[str]] | None = None
+    unparsed: list[str] = []
+    for family in _known_families():
+        renderer = _try_renderer(tokenizer, family)
+        if renderer is None:
+            continue
+        matched: list[str] = []
+        differs: list[str] = []
+        alike = 0
+        for name, expected, messages, tools in references:
+            got = _renderer_text(renderer, tokenizer, messages, tools)
+            if expected is not None and got == expected:
+                matched.append(name)
+            else:
+                differs.append(name)
+            alike += _common_prefix(expected or "", got or "")
+        parses = {kind: parses_probe(renderer, tokenizer, kind) for kind in _PROBE_REPLIES}
+        if False in parses.values():
+            if not differs:
+                unparsed.append(family)
+            continue
+        read = [kind for kind, ok in parses.items() if ok]
+        basics = all(name in matched for name, *_ in references[:_REQUIRED_PROBES])
+        if not read and not basics:
+            continue  # nothing shows this renderer is this template's family
+        score = (len(read), len(matched), alike)
+        if best is None or score > best[0]:
+            best = (score, family, renderer, differs, read)
+    if best is None:
+        why = "no `renderers` family renderer reads this template's replies"
+        if unparsed:
+            why = (
+                f"renderer(s) {', '.join(unparsed)} render this template's conversations but "
+                "do not parse its replies"
+            )
+        return PathChoice(GENERIC, why, template_bridge=True)
+    _, family, renderer, differs, read = best
+    parsed = f"parses the template's {' and '.join(read)}" if read else "parses replies"
+    if differs:
+        reason = (
+            f"renderer {family!r} {parsed}; it renders {', '.join(differs)} unlike the "
+            "template, so new messages are rendered by the template itself"
+        )
+    else:
+        reason = f"renderer {family!r} {parsed} and renders every probe as the template does"
+    return PathChoice(family, reason, template_bridge=bool(differs), renderer=renderer)
+
+
 def detect_family(tokenizer: Any) -> str:
-    """Which hand-written renderer fits this tokenizer, from its own special tokens and
-    chat template; `generic` when none does."""
-    template = getattr(tokenizer, "chat_template", None) or ""
-    if (
-        _has_tokens(tokenizer, "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>")
-        and "<tool_call>" in template
-        and ("enable_thinking" in template or "reasoning_content" in template)
-    ):
-        return "qwen3"
-    if _has_tokens(tokenizer, "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>") and (
-        "<|start_header_id|>" in template
-    ):
-        return "llama-3"
-    return GENERIC
+    """Which hand-written renderer fits this tokenizer and template; `generic` when none."""
+    return choose_path(tokenizer).family
+
+
+def _generic_renderer(tokenizer: Any) -> Any:
+    return create_renderer(
+        tokenizer,
+        DefaultRendererConfig(
+            tool_parser="qwen3" if _has_tokens(tokenizer, "<tool_call>", "</tool_call>") else None,
+            reasoning_parser="think" if _has_tokens(tokenizer, "<think>", "</think>") else None,
+        ),
+    )
+
+
+def _family_renderer(tokenizer: Any, family: str) -> Any:
+    if family in _FAMILY_CONFIGS:
+        return create_renderer(tokenizer, _FAMILY_CONFIGS[family]())
+    from renderers import config_from_name
+
+    config = config_from_name(family)
+    if config is not None and "thinking_retention" in type(config).model_fields:
+        # As for Qwen3: sampled reasoning stays in later prompts (no re-render).
+        config = config.model_copy(update={"thinking_retention": "all"})
+    return create_renderer(tokenizer, config)
+
+
+def _try_renderer(tokenizer: Any, family: str) -> Any:
+    """The family's renderer on this tokenizer, or None where it cannot be built (its special
+    tokens are missing, or its encoding cannot be loaded offline)."""
+    if family == "gpt-oss" and not _has_tokens(tokenizer, "<|channel|>", "<|message|>"):
+        return None  # its harmony encoding is loaded from elsewhere; not a harmony vocabulary
+    try:
+        return _family_renderer(tokenizer, family)
+    except Exception:
+        return None
 
 
 def detect_close_token(tokenizer: Any) -> int | None:
