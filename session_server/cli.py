@@ -147,6 +147,7 @@ def _start_check(service: Any, settings: Any) -> None:
                 service.model,
                 Path(settings.check_cache_dir).expanduser(),
                 lambda ok: service.metrics.check_contiguous.set(1 if ok else 0),
+                service.metrics.record_reply_check,
             )
         except Exception:  # a failed check must never take the server down
             logging.getLogger("tokenkeep.check").exception("start-up check failed to run")

@@ -16,7 +16,7 @@ import json
 import logging
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -115,6 +115,18 @@ class ChatModel:
             vocab.get("<think>"),
             vocab.get("</think>"),
         )
+        if not self.template_bridge:
+            deviations = self._bridge_deviations()
+            if deviations:
+                # The official template is the reference for what new messages render to.
+                self.template_bridge = True
+                self.path = replace(
+                    self.path,
+                    template_bridge=True,
+                    reason=f"{self.path.reason}; its bridge renders the messages after "
+                    f"{', '.join(deviations)} unlike the template, so new messages are "
+                    "rendered by the template itself",
+                )
 
     def opens_reasoning(self, prompt_ids: list[int]) -> bool:
         """Whether the prompt ends inside a reasoning block the template opened (QwQ,
@@ -226,6 +238,46 @@ class ChatModel:
         if not _carries_messages(self.tokenizer, delta, new_messages):
             return None
         return delta
+
+    def _bridge_deviations(self) -> list[str]:
+        """The probe replies after which the renderer's bridge appends other text than the
+        template's own rendering of the next message (where that can be computed)."""
+        tools = [Tool(**_PROBE_TOOL["function"])]
+        user = Message(role="user", content=_PROBE_USER[0]["content"])
+        deviations: list[str] = []
+        for kind, follower in _BRIDGE_PROBES:
+            probe = template_reply(self.tokenizer, kind)
+            if probe is None:
+                continue
+            prompt_ids, reply = probe
+            end = next((i for i, t in enumerate(reply) if t in self.stop_token_ids), None)
+            if end is None:
+                continue
+            completion = reply[: end + 1]
+            with_tools = tools if kind == "tool call" else []
+            parsed = self.parse(completion, "stop", prompt_ids, with_tools).message
+            if kind == "tool call" and parsed.tool_calls:
+                first = parsed.tool_calls[0]
+                parsed.tool_calls[0] = replace(first, id=follower.tool_call_id or first.id)
+            history = [user, parsed]
+            reference = self._generic_bridge(
+                prompt_ids, completion, "stop", history, [follower], with_tools
+            )
+            if reference is None:
+                continue  # the template offers no prefix-preserving reference here
+            try:
+                rendered = self.renderer.bridge_to_next_turn(
+                    prompt_ids,
+                    completion,
+                    to_renderer_messages([follower]),
+                    tools=to_renderer_tools(with_tools),
+                )
+            except Exception:  # a bridge that refuses the probe deviates too
+                rendered = None
+            delta = None if rendered is None else _prove(prompt_ids, completion, rendered)
+            if delta is None or self.decode(delta) != self.decode(reference):
+                deviations.append(f"a {kind} reply")
+        return deviations
 
     # --- parsing ----------------------------------------------------------------------
 
@@ -536,6 +588,7 @@ _PROBES: list[tuple[str, list[dict[str, Any]], bool]] = [
     ),
 ]
 _REQUIRED_PROBES = 2
+_PROBE_USER = [{"role": "user", "content": "Weather in Paris?"}]
 
 
 def _template_text(
@@ -597,24 +650,35 @@ def _renderer_text(
     return str(tokenizer.decode(list(ids), skip_special_tokens=False))
 
 
-_PROBE_REPLIES: dict[str, tuple[dict[str, Any], bool]] = {
-    "tool call": ({"role": "assistant", "content": "", "tool_calls": [_PROBE_CALL]}, True),
+# kind: (assistant message, with tools, text that shows the template rendered it)
+_PROBE_REPLIES: dict[str, tuple[dict[str, Any], bool, str]] = {
+    "tool call": (
+        {"role": "assistant", "content": "", "tool_calls": [_PROBE_CALL]},
+        True,
+        "get_weather",
+    ),
     "reasoning": (
         {"role": "assistant", "reasoning_content": "Sunny is likely.", "content": "Sunny."},
         False,
+        "Sunny is likely.",
     ),
 }
+_PARSE_PROBES = ("tool call", "reasoning")
+_PLAIN_REPLY = ({"role": "assistant", "content": "Sunny all day."}, False, "Sunny all day.")
+# (reply kind, the message that follows it): what a bridge must render as the template does.
+_BRIDGE_PROBES: list[tuple[str, Message]] = [
+    ("plain", Message(role="user", content="And tomorrow?")),
+    ("tool call", Message(role="tool", tool_call_id="a1B2c3D4e", content='{"sky": "clear"}')),
+]
 
 
 def template_reply(tokenizer: Any, kind: str) -> tuple[list[int], list[int]] | None:
     """(prompt, reply) token IDs of a probe reply (`tool call`, `reasoning`) as the template
     writes it after its generation prompt: the syntax the model was trained to sample. None
     where the template does not render that kind of reply."""
-    reply, tools = _PROBE_REPLIES[kind]
-    user = [{"role": "user", "content": "Weather in Paris?"}]
-    prompt = _template_text(tokenizer, user, tools)
-    full = _template_text(tokenizer, [*user, reply], tools, generation_prompt=False)
-    witness = "get_weather" if tools else "Sunny is likely."
+    reply, tools, witness = _PLAIN_REPLY if kind == "plain" else _PROBE_REPLIES[kind]
+    prompt = _template_text(tokenizer, _PROBE_USER, tools)
+    full = _template_text(tokenizer, [*_PROBE_USER, reply], tools, generation_prompt=False)
     if prompt is None or full is None or witness not in full[len(prompt) :]:
         return None
     # Where the finished turn is written unlike the generation prompt (a thinking prompt
@@ -696,7 +760,7 @@ def choose_path(tokenizer: Any) -> PathChoice:
             else:
                 differs.append(name)
             alike += _common_prefix(expected or "", got or "")
-        parses = {kind: parses_probe(renderer, tokenizer, kind) for kind in _PROBE_REPLIES}
+        parses = {kind: parses_probe(renderer, tokenizer, kind) for kind in _PARSE_PROBES}
         if False in parses.values():
             if not differs:
                 unparsed.append(family)
@@ -719,13 +783,10 @@ def choose_path(tokenizer: Any) -> PathChoice:
     _, family, renderer, differs, read = best
     parsed = f"parses the template's {' and '.join(read)}" if read else "parses replies"
     if differs:
-        reason = (
-            f"renderer {family!r} {parsed}; it renders {', '.join(differs)} unlike the "
-            "template, so new messages are rendered by the template itself"
-        )
+        reason = f"renderer {family!r} {parsed}; renders {', '.join(differs)} unlike the template"
     else:
         reason = f"renderer {family!r} {parsed} and renders every probe as the template does"
-    return PathChoice(family, reason, template_bridge=bool(differs), renderer=renderer)
+    return PathChoice(family, reason, template_bridge=False, renderer=renderer)
 
 
 def detect_family(tokenizer: Any) -> str:
