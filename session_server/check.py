@@ -204,6 +204,8 @@ class Scripter:
         tokens = self.spell(body, substitute)
         if scenario.finish == "length":
             return Completion(tokens[: max(1, len(tokens) // 2)], "length"), None
+        if tokens and tokens[-1] in self.model.stop_token_ids:
+            return Completion(tokens, "stop"), None  # the syntax ends in its own stop (<|call|>)
         return Completion(tokens + self.close(), "stop"), None
 
     def plain(self, content: str) -> Completion:

