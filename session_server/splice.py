@@ -197,6 +197,7 @@ class ChatModel:
             return Bridge(None, "no_new_messages")
         if any(m.role == "assistant" for m in new_messages):
             return Bridge(None, "assistant_message_not_sampled")
+        delta: list[int] | None = None
         if self.template_bridge:
             try:
                 delta = self._generic_bridge(
@@ -204,22 +205,34 @@ class ChatModel:
                 )
             except ConversationError:
                 delta = None  # the template refuses the history: no reference to splice on
-        else:
-            # The family bridges read only the end of the prompt (is a reasoning block still
-            # open?) and copy and return whatever they are given: callers may pass just the
-            # last BRIDGE_CONTEXT_TOKENS, which keeps the per-turn cost flat in the history.
-            tail = prompt_ids[-BRIDGE_CONTEXT_TOKENS:]
-            rendered = self.renderer.bridge_to_next_turn(
-                tail,
-                completion_ids,
-                to_renderer_messages(new_messages),
-                tools=to_renderer_tools(tools),
-            )
-            delta = None if rendered is None else _prove(tail, completion_ids, rendered)
-            delta = None if delta is None else self._template_generation_prompt(delta)
+        if delta is None and self.family != GENERIC:
+            # The renderer's own bridge: where it is not the reference (the template), it is
+            # still proved to keep every stored token, and the template offered no
+            # prefix-preserving splice here (it rewrote the history, e.g. dropped reasoning).
+            delta = self._renderer_bridge(prompt_ids, completion_ids, new_messages, tools)
         if delta is None:
             return Bridge(None, "bridge_unproven")
         return Bridge(delta)
+
+    def _renderer_bridge(
+        self,
+        prompt_ids: list[int],
+        completion_ids: list[int],
+        new_messages: list[Message],
+        tools: list[Tool],
+    ) -> list[int] | None:
+        # The family bridges read only the end of the prompt (is a reasoning block still
+        # open?) and copy and return whatever they are given: callers may pass just the
+        # last BRIDGE_CONTEXT_TOKENS, which keeps the per-turn cost flat in the history.
+        tail = prompt_ids[-BRIDGE_CONTEXT_TOKENS:]
+        rendered = self.renderer.bridge_to_next_turn(
+            tail,
+            completion_ids,
+            to_renderer_messages(new_messages),
+            tools=to_renderer_tools(tools),
+        )
+        delta = None if rendered is None else _prove(tail, completion_ids, rendered)
+        return None if delta is None else self._template_generation_prompt(delta)
 
     def _generation_prompts(self) -> tuple[list[int], list[int]] | None:
         """(renderer's, template's) generation prompt tokens, where they differ (gpt-oss:
@@ -280,11 +293,25 @@ class ChatModel:
             turns_closed += 1  # the template closes a turn by opening the next one (GLM)
         position = _nth_index(after, close, turns_closed)
         if turns_closed == 0 or position is None:
-            return None
-        delta = closing + after[position + 1 :]
+            delta = self._after_terminator(before, after)
+            if delta is None:
+                return None
+            delta = closing + delta
+        else:
+            delta = closing + after[position + 1 :]
         if not _carries_messages(self.tokenizer, delta, new_messages):
             return None
         return delta
+
+    def _after_terminator(self, before: list[int], after: list[int]) -> list[int] | None:
+        """Templates that write a finished turn with another terminator than the one sampled
+        (harmony: `<|return|>` sampled, `<|end|>` re-rendered) and keep everything before it:
+        the template's tokens after that terminator."""
+        n = len(before)
+        if not before or after[: n - 1] != before[:-1] or len(after) <= n:
+            return None
+        added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
+        return after[n:] if after[n - 1] in added and before[-1] in added else None
 
     def _bridge_deviations(self) -> list[str]:
         """The probe replies after which the renderer's bridge appends other text than the
@@ -313,16 +340,9 @@ class ChatModel:
             if reference is None:
                 continue  # the template offers no prefix-preserving reference here
             try:
-                rendered = self.renderer.bridge_to_next_turn(
-                    prompt_ids,
-                    completion,
-                    to_renderer_messages([follower]),
-                    tools=to_renderer_tools(with_tools),
-                )
+                delta = self._renderer_bridge(prompt_ids, completion, [follower], with_tools)
             except Exception:  # a bridge that refuses the probe deviates too
-                rendered = None
-            delta = None if rendered is None else _prove(prompt_ids, completion, rendered)
-            delta = None if delta is None else self._template_generation_prompt(delta)
+                delta = None
             if delta is None or self.decode(delta) != self.decode(reference):
                 deviations.append(f"a {kind} reply")
         return deviations
@@ -555,6 +575,10 @@ def _carries_messages(tokenizer: Any, delta: list[int], messages: list[Message])
         if not needle:
             continue
         found = text.find(needle, position)
+        if found < 0:
+            # Templates that quote a message as a JSON string (gpt-oss tool results).
+            needle = json.dumps(needle, ensure_ascii=False)[1:-1]
+            found = text.find(needle, position)
         if found < 0:
             return False
         position = found + len(needle)

