@@ -164,21 +164,27 @@ class ChatModel:
     def _apply_template(
         self, messages: list[Message], tools: list[Tool], *, add_generation_prompt: bool
     ) -> list[int]:
-        try:
-            out = self.tokenizer.apply_chat_template(
-                to_renderer_messages(messages, arguments_as_dict=True),
-                tools=[t.as_openai() for t in tools] or None,
-                add_generation_prompt=add_generation_prompt,
-                tokenize=True,
-                return_dict=False,
-            )
-        except Exception as exc:  # the template's own raise_exception() or a Jinja error
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise ConversationError(
-                f"the model's chat template refuses this conversation: {first}",
-                param="messages",
-            ) from exc
-        return list(out)
+        # Tool-call arguments as objects (as vLLM's chat endpoint passes them), or as the
+        # JSON text some templates concatenate (DeepSeek).
+        failure: Exception | None = None
+        for as_dict in (True, False):
+            try:
+                out = self.tokenizer.apply_chat_template(
+                    to_renderer_messages(messages, arguments_as_dict=as_dict),
+                    tools=[t.as_openai() for t in tools] or None,
+                    add_generation_prompt=add_generation_prompt,
+                    tokenize=True,
+                    return_dict=False,
+                )
+                return list(out)
+            except Exception as exc:  # the template's own raise_exception() or a Jinja error
+                failure = failure or exc
+                if not any(m.tool_calls for m in messages):
+                    break
+        first = (str(failure).strip().splitlines() or [type(failure).__name__])[0]
+        raise ConversationError(
+            f"the model's chat template refuses this conversation: {first}", param="messages"
+        ) from failure
 
     def bridge(
         self,
@@ -334,9 +340,12 @@ class ChatModel:
                 first = parsed.tool_calls[0]
                 parsed.tool_calls[0] = replace(first, id=follower.tool_call_id or first.id)
             history = [user, parsed]
-            reference = self._generic_bridge(
-                prompt_ids, completion, "stop", history, [follower], with_tools
-            )
+            try:
+                reference = self._generic_bridge(
+                    prompt_ids, completion, "stop", history, [follower], with_tools
+                )
+            except ConversationError:
+                reference = None
             if reference is None:
                 continue  # the template offers no prefix-preserving reference here
             try:
