@@ -248,3 +248,55 @@ def test_anthropic_sdk_gets_tool_use_and_thinking_blocks(family: tuple[str, Chat
         expected = "Let me answer."  # what the scripter closes a prompt-opened block with
     assert thinking == ([expected] if expected else [])
     assert all(b.type != "text" or not b.text.strip() for b in final.content)
+
+
+def test_startup_check_reports_parsing_and_the_path_on_metrics(tmp_path: Path) -> None:
+    """`serve`'s start-up check: the tool-call and stream verdicts reach /metrics, and so
+    does the path auto chose and why."""
+
+    from session_server.metrics import Metrics
+
+    model = load_model(str(gptoss_dir()))
+    metrics = Metrics()
+    build_service(
+        Settings(model="m", tokenizer="", renderer="auto"),
+        store=MemoryStore(),
+        model=model,
+        engine=cast(EngineClient, ScriptedEngine()),
+        metrics=metrics,
+    )
+    registry = metrics.registry
+    labels = {"renderer": "gpt-oss", "bridge": "template", "reason": model.path.reason}
+    assert registry.get_sample_value("tokenkeep_model_path_info", labels) == 1
+    assert registry.get_sample_value("tokenkeep_check_tool_calls_parsed") == -1
+    verdicts: list[bool] = []
+    assert check.startup_check(model, tmp_path, verdicts.append, metrics.record_reply_check)
+    assert verdicts == [True]
+    assert registry.get_sample_value("tokenkeep_check_tool_calls_parsed") == 1
+    assert registry.get_sample_value("tokenkeep_check_stream_equal") == 1
+
+
+def test_templates_without_a_family_fall_back_to_generic_and_say_why(tmp_path: Path) -> None:
+    """No chat template, a template that raises: the generic path, with the reason
+    (`tokenkeep check` exits 2 on both: tests/test_check.py)."""
+    from session_server.splice import GENERIC, choose_path
+    from session_server.tokenizer import load_tokenizer
+
+    source = qwen3_dir()
+    cases = {
+        "none": (None, "the tokenizer has no chat template"),
+        "raises": ("{{ raise_exception('no') }}", "cannot render the probe conversations"),
+    }
+    for name, (template, reason) in cases.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        for file in ("tokenizer.json", "vocab.json", "merges.txt"):
+            (folder / file).write_bytes((source / file).read_bytes())
+        config = json.loads((source / "tokenizer_config.json").read_text())
+        config.pop("chat_template", None)
+        if template is not None:
+            config["chat_template"] = template
+        (folder / "tokenizer_config.json").write_text(json.dumps(config))
+        path = choose_path(load_tokenizer(str(folder)))
+        assert path.family == GENERIC and path.template_bridge, name
+        assert reason in path.reason, path
