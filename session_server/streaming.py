@@ -140,7 +140,10 @@ class ReplyStreamer:
             text = text.lstrip()
         if self._bare_json_calls and text.lstrip().startswith("{"):
             return ""  # may be a whole tool call; the final parse decides
-        return text.rstrip()
+        text = text.rstrip()
+        # A trailing `<` may open a marker whose rest is a special token (DeepSeek V4's
+        # `<｜DSML｜...`): held until the next token says which.
+        return text[:-1].rstrip() if text.endswith("<") else text
 
     def _releasable_reasoning(self) -> str:
         text = self._text["reasoning"]
