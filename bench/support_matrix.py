@@ -137,13 +137,10 @@ PAIRS = [
 WHAT_TOKENKEEP_RECORDS = (
     "Each break above is refused, never guessed: the turn starts a new segment whose "
     "`start_reason` (shown as *recorded*) is in the trajectory, and "
-    "`tokenkeep_segment_breaks` counts it. The remaining breaks are tool calls in syntaxes "
-    "the chosen path does not parse (DeepSeek V4's DSML block; DeepSeek R1's renderer on a "
-    "streamed call after reasoning): the harness receives the call as text, or not at all, "
-    "sends back a different assistant message, and the turn no longer matches the stored "
-    "one. The generic path parses tool calls only in the `<tool_call>` JSON syntax; the "
-    "`renderers` family renderers (`--renderer deepseek-v3`, `glm-4.5`, `minimax-m2`) parse "
-    "their own, and are token-exact here."
+    "`tokenkeep_segment_breaks` counts it. A tool call the chosen path does not parse "
+    "(*tool calls parsed* below its total: templates on the generic path whose syntax is "
+    "not `<tool_call>` JSON, e.g. DeepSeek V3.1's, MiniMax M1/M3's, functionary's) reaches "
+    "the harness as text; `tokenkeep check` exits 1 on it."
 )
 
 # The matrix before issue 23 (recorded 2026-11-22, docs/models.md of that day, same corpus
