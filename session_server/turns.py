@@ -182,6 +182,8 @@ class TurnService:
         return_token_ids: bool | None = None,
         key_hash: str = "",
         routed_experts: bool | None = None,
+        group: str | None = None,
+        group_size: int | None = None,
     ) -> SessionMeta:
         if normalization:
             compile_rules(normalization)  # reject bad patterns before anything is stored
@@ -195,6 +197,8 @@ class TurnService:
             return_token_ids=return_token_ids,
             key_hash=key_hash,
             routed_experts=self.config.routed_experts if routed_experts is None else routed_experts,
+            group=group,
+            group_size=group_size,
         )
         try:
             created = await self.store.create_session(meta)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, get_args
 
 import numpy as np
 
@@ -90,6 +90,10 @@ class SessionMeta:
     """SHA-256 of the session's API key (session_server.api.auth); empty: none issued."""
     routed_experts: bool = False
     """MoE routing replay: ask the engine for each turn's expert routes and store them."""
+    group: str | None = None
+    """The rollout group (the G samples of one prompt) this session belongs to."""
+    group_size: int | None = None
+    """How many sessions the group has: it is complete when that many are finished."""
 
 
 def new_incarnation() -> str:
@@ -191,6 +195,12 @@ class Finish:
     finished_at: float
     reward: float | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    status: str = "ok"
+    """`ok`, or why the rollout failed: `env_error`, `model_error`, `aborted` (FINISH_STATUSES)."""
+
+
+FinishStatus = Literal["ok", "env_error", "model_error", "aborted"]
+FINISH_STATUSES: tuple[str, ...] = get_args(FinishStatus)
 
 
 class SessionNotFound(KeyError):
