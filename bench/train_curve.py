@@ -43,7 +43,7 @@ def plot(lines: list[dict[str, Any]], summary: dict[str, Any], out: Path) -> Non
     ax.set_title(
         f"tokenkeep demo --train: tiny Qwen3 on vLLM CPU, G={summary['group_size']}", fontsize=10
     )
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="center right")
     fig.tight_layout()
     fig.savefig(out)
 
