@@ -19,6 +19,7 @@ a request that fails stores nothing.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import itertools
@@ -61,6 +62,8 @@ from session_server.results import (
 from session_server.sampling import build_sampling
 from session_server.splice import BRIDGE_CONTEXT_TOKENS, ChatModel
 from session_server.store.base import (
+    IDEMPOTENCY_DONE,
+    KeyTaken,
     LookupResult,
     RecordCache,
     RoutedExperts,
@@ -83,6 +86,26 @@ class SessionMissing(LookupError):
 
 class ProofFailed(RuntimeError):
     """The engine reports a prompt other than the one tokenkeep sent (502)."""
+
+
+class Refused(RuntimeError):
+    """A request the core refuses as it stands, nothing stored: `status` (409, 422...),
+    `kind` (the error type), `retry_after_s` when trying again later can succeed."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        kind: str,
+        param: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+        self.param = param
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(slots=True)
@@ -127,6 +150,10 @@ class ServiceConfig:
     sampling_overrides: dict[str, Any] = field(default_factory=dict)
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     max_sessions_cached: int = 4096
+    idempotency_wait_s: float = 60.0
+    """How long a resend waits for the request holding its Idempotency-Key (then 409)."""
+    idempotency_stale_s: float = 900.0
+    """A claim older than this is abandoned (its server died): a resend takes it over."""
 
 
 class TurnService:
@@ -152,6 +179,9 @@ class TurnService:
         # checks the session's incarnation, so a deleted and re-created id is never served
         # from an old cache.
         self._records: OrderedDict[str, RecordCache] = OrderedDict()
+        # (session, Idempotency-Key) -> set when this process's request holding it ends, so
+        # a resend here wakes at once (resends through other replicas poll the store).
+        self._claims: dict[tuple[str, str], asyncio.Event] = {}
 
     def engine_versions(self) -> dict[str, str | None]:
         """Replica URL -> the policy version it serves (None: not known yet)."""
@@ -540,34 +570,184 @@ class TurnService:
     # --- generation -------------------------------------------------------------------
 
     async def complete(self, session_id: str, conversation: Conversation) -> TurnResult:
-        return await self._complete(await self.plan(session_id, conversation), conversation)
+        return await self._complete_once(
+            session_id, conversation, lambda: self.plan(session_id, conversation)
+        )
 
     def stream(self, session_id: str, conversation: Conversation) -> AsyncIterator[StreamEvent]:
-        async def planned() -> AsyncIterator[StreamEvent]:
-            plan = await self.plan(session_id, conversation)
-            async with contextlib.aclosing(self._stream(plan, conversation)) as events:
-                async for event in events:
-                    yield event
-
-        return planned()
+        return self._stream_once(
+            session_id, conversation, lambda: self.plan(session_id, conversation)
+        )
 
     async def complete_tokens(
         self, session_id: str, prompt_ids: list[int], conversation: Conversation
     ) -> TurnResult:
         """A client that sends the token prompt itself (`/v1/completions`)."""
-        plan = await self.plan_tokens(session_id, prompt_ids, conversation)
-        return await self._complete(plan, conversation)
+        return await self._complete_once(
+            session_id, conversation, lambda: self.plan_tokens(session_id, prompt_ids, conversation)
+        )
 
     def stream_tokens(
         self, session_id: str, prompt_ids: list[int], conversation: Conversation
     ) -> AsyncIterator[StreamEvent]:
-        async def planned() -> AsyncIterator[StreamEvent]:
-            plan = await self.plan_tokens(session_id, prompt_ids, conversation)
-            async with contextlib.aclosing(self._stream(plan, conversation)) as events:
-                async for event in events:
-                    yield event
+        return self._stream_once(
+            session_id, conversation, lambda: self.plan_tokens(session_id, prompt_ids, conversation)
+        )
 
-        return planned()
+    async def _complete_once(
+        self, session_id: str, conversation: Conversation, plan: Callable[[], Awaitable[Plan]]
+    ) -> TurnResult:
+        claimed = await self._claim(session_id, conversation)
+        if isinstance(claimed, TurnResult):
+            return claimed
+        try:
+            result = await self._complete(await plan(), conversation)
+        except BaseException:
+            await self._release(session_id, conversation, claimed)
+            raise
+        self._settled(session_id, conversation)
+        return result
+
+    async def _stream_once(
+        self, session_id: str, conversation: Conversation, plan: Callable[[], Awaitable[Plan]]
+    ) -> AsyncIterator[StreamEvent]:
+        claimed = await self._claim(session_id, conversation)
+        if isinstance(claimed, TurnResult):
+            for event in replay_events(claimed):
+                yield event
+            return
+        stored = False
+        try:
+            planned = await plan()
+            async with contextlib.aclosing(self._stream(planned, conversation)) as events:
+                async for event in events:
+                    stored = stored or isinstance(event, StreamFinished)
+                    yield event
+        finally:
+            if stored:
+                self._settled(session_id, conversation)
+            else:
+                await self._release(session_id, conversation, claimed)
+
+    # --- idempotency keys ---------------------------------------------------------------
+
+    async def _claim(self, session_id: str, conversation: Conversation) -> TurnResult | str | None:
+        """For a request with an Idempotency-Key: the stored reply of the request that used
+        the key first (waiting while that one generates, here or on another replica), or
+        the owner token under which this request now holds the key. None without a key."""
+        idem = conversation.idempotency
+        if idem is None:
+            return None
+        owner = uuid.uuid4().hex
+        deadline = time.monotonic() + self.config.idempotency_wait_s
+        delay = 0.05
+        while True:
+            await self.session(session_id)
+            try:
+                claim = await self.store.claim_idempotency(
+                    session_id,
+                    idem.key,
+                    idem.fingerprint,
+                    owner=owner,
+                    stale_after_s=self.config.idempotency_stale_s,
+                )
+            except SessionNotFound:  # deleted behind the cached metadata
+                if self._sessions.pop(session_id, None) is None:
+                    raise
+                continue
+            if claim.state == "owned":
+                self._claims.setdefault((session_id, idem.key), asyncio.Event())
+                return owner
+            if claim.state == "done":
+                return await self._replay(session_id, conversation, claim.turn_id)
+            if claim.fingerprint != idem.fingerprint:
+                raise _key_reused(idem.key)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise Refused(
+                    409,
+                    f"the request with Idempotency-Key {idem.key!r} is still generating",
+                    kind="idempotency_pending",
+                    retry_after_s=1,
+                )
+            local = self._claims.get((session_id, idem.key))
+            if local is not None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(local.wait(), remaining)
+            else:
+                await asyncio.sleep(min(delay, remaining))
+                delay = min(delay * 2, 0.5)
+
+    def _settled(self, session_id: str, conversation: Conversation) -> None:
+        if conversation.idempotency is not None:
+            event = self._claims.pop((session_id, conversation.idempotency.key), None)
+            if event is not None:
+                event.set()
+
+    async def _release(
+        self, session_id: str, conversation: Conversation, owner: TurnResult | str | None
+    ) -> None:
+        """The request holding a key failed (nothing stored): free the key for a resend."""
+        idem = conversation.idempotency
+        if idem is None or not isinstance(owner, str):
+            return
+        try:
+            await self.store.release_idempotency(session_id, idem.key, owner)
+        except Exception:  # the claim then goes stale: a resend takes it over later
+            logger.warning("could not release Idempotency-Key %r", idem.key, exc_info=True)
+        finally:
+            self._settled(session_id, conversation)
+
+    async def _replay(
+        self, session_id: str, conversation: Conversation, turn_id: int
+    ) -> TurnResult:
+        """The reply stored under an Idempotency-Key, rebuilt from its turns: the same
+        response id, turn ids, tokens and (parsed from them again) messages."""
+        assert conversation.idempotency is not None
+        found = await self.store.lookup(
+            session_id,
+            [IDEMPOTENCY_DONE + conversation.idempotency.key],
+            None,
+            known=self._record_cache(session_id),
+        )
+        first = found.parent_path[-1]
+        stamp = first.extra.get("idempotency") or {}
+        if stamp.get("fingerprint") != conversation.idempotency.fingerprint:
+            raise _key_reused(conversation.idempotency.key)
+        n = int(stamp.get("choices", 1))
+        rest = await self.store.get_turns(session_id, list(range(turn_id + 1, turn_id + n)))
+        turns = [first, *(t for t in rest if t is not None)]
+        prompt = _prompt_of(found.parent_path[:-1], first)
+        meta = await self.session(session_id)
+        choices = []
+        for index, turn in enumerate(turns):
+            reply = self.model.parse(
+                turn.completion_ids, turn.finish_reason, prompt, conversation.tools
+            )
+            choices.append(
+                ChoiceResult(
+                    index=index,
+                    turn_id=turn.turn_id,
+                    message=reply.message,
+                    token_ids=list(turn.completion_ids),
+                    logprobs=list(turn.logprobs),
+                    finish_reason=reply.finish_reason,
+                    stop_reason=turn.stop_reason,
+                )
+            )
+        self.metrics.idempotent_replays.inc()
+        return TurnResult(
+            session_id=session_id,
+            prompt_ids=prompt,
+            choices=choices,
+            kind=first.kind,
+            break_reason=first.break_reason,
+            created=int(first.created_at),
+            model=self.config.model_name,
+            response_id=str(stamp.get("response_id", "")),
+            parent_turn_id=first.parent_id,
+            return_token_ids=return_token_ids(conversation, meta),
+        )
 
     async def _complete(self, plan: Plan, conversation: Conversation) -> TurnResult:
         session_id = plan.session.session_id
@@ -724,8 +904,18 @@ class TurnService:
                     token_key(plan.prompt_ids + s.token_ids),
                     token_input_key(plan.prompt_ids),
                 ]
+            stamp: dict[str, Any] = {}
             if i == 0:
                 turn_keys.append(RESPONSE_KEY_PREFIX + response_id)
+                if conversation.idempotency is not None:
+                    turn_keys.append(IDEMPOTENCY_DONE + conversation.idempotency.key)
+                    stamp = {
+                        "idempotency": {
+                            "fingerprint": conversation.idempotency.fingerprint,
+                            "response_id": response_id,
+                            "choices": len(sampled),
+                        }
+                    }
             keys.append(turn_keys)
             records.append(
                 TurnRecord(
@@ -745,11 +935,12 @@ class TurnService:
                     routed_experts=_routes_of(plan, s),
                     extra={"splice_ms": round(plan.splice_seconds * 1000, 3)}
                     | ({"reply_key": reply_key} if reply_key else {})
-                    | ({"volatile": plan.volatile} if plan.volatile else {}),
+                    | ({"volatile": plan.volatile} if plan.volatile else {})
+                    | stamp,
                 )
             )
         try:
-            ids = await self.store.append_turns(plan.session.session_id, records, keys)
+            ids = await self._append(plan, records, keys)
         except SessionNotFound:
             self._sessions.pop(plan.session.session_id, None)
             raise
@@ -784,6 +975,80 @@ class TurnService:
             parent_turn_id=plan.parent_id,
             return_token_ids=return_token_ids(conversation, plan.session),
         )
+
+
+    async def _append(
+        self, plan: Plan, records: list[TurnRecord], keys: list[list[str]]
+    ) -> list[int]:
+        """Store the turns unless an identical request (same input key) stored its turns
+        since this one was planned (concurrent resends, a resend while the first was still
+        generating, on any replica): then these turns are retries, siblings of that
+        request's, never a second root or a second continuation."""
+        session_id = plan.session.session_id
+        if plan.kind == "retry":
+            return await self.store.append_turns(session_id, records, keys)
+        try:
+            return await self.store.append_turns(session_id, records, keys, unless_key=keys[0][1])
+        except KeyTaken as taken:
+            (winner,) = await self.store.get_turns(session_id, [taken.turn_id])
+        same_prompt = winner is not None and (
+            winner.parent_id,
+            winner.segment_start,
+            winner.prompt_delta,
+        ) == (plan.parent_id, plan.segment_start, plan.prompt_delta)
+        if same_prompt:
+            assert winner is not None
+            plan.kind = "retry"
+            plan.break_reason = winner.break_reason
+            for record in records:
+                record.kind = "retry"
+                record.break_reason = winner.break_reason
+            self.metrics.retry_races.inc()
+        return await self.store.append_turns(session_id, records, keys)
+
+
+def _key_reused(key: str) -> Refused:
+    return Refused(
+        422,
+        f"Idempotency-Key {key!r} was used with a different request body",
+        kind="idempotency_key_reused",
+        param="Idempotency-Key",
+    )
+
+
+def replay_events(result: TurnResult) -> list[StreamEvent]:
+    """A stored reply as the stream events that first produced it (an Idempotency-Key
+    resend of a streamed request)."""
+    events: list[StreamEvent] = [
+        StreamStarted(
+            session_id=result.session_id,
+            prompt_ids=result.prompt_ids,
+            kind=result.kind,
+            break_reason=result.break_reason,
+            created=result.created,
+            model=result.model,
+            n=len(result.choices),
+            response_id=result.response_id,
+            return_token_ids=result.return_token_ids,
+        )
+    ]
+    for choice in result.choices:
+        events.append(
+            ChoiceDelta(
+                index=choice.index,
+                token_ids=choice.token_ids,
+                logprobs=choice.logprobs,
+                content=choice.message.content or "",
+                reasoning=choice.message.reasoning or "",
+            )
+        )
+        events.append(
+            ChoiceFinished(
+                index=choice.index, message=choice.message, finish_reason=choice.finish_reason
+            )
+        )
+    events.append(StreamFinished(result=result))
+    return events
 
 
 @dataclass(slots=True)

@@ -395,6 +395,7 @@ async def _serve(session_id: str, body: ChatCompletionRequest, request: Request)
         request,
         session_id,
         "chat",
+        conversation,
         streaming=conversation.stream,
         complete=lambda: service.complete(session_id, conversation),
         stream=lambda: service.stream(session_id, conversation),

@@ -240,6 +240,7 @@ async def _serve(session_id: str, body: CompletionRequest, request: Request) -> 
         request,
         session_id,
         "completions",
+        conversation,
         streaming=conversation.stream,
         complete=lambda: service.complete_tokens(session_id, ids, conversation),
         stream=lambda: service.stream_tokens(session_id, ids, conversation),

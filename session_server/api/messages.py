@@ -465,6 +465,7 @@ async def _serve(session_id: str, wire: MessagesRequest, request: Request) -> An
         request,
         session_id,
         "messages",
+        conversation,
         streaming=conversation.stream,
         complete=lambda: service.complete(session_id, conversation),
         stream=lambda: service.stream(session_id, conversation),

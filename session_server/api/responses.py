@@ -661,6 +661,7 @@ async def _serve(session_id: str, wire: ResponsesRequest, request: Request) -> A
         request,
         session_id,
         "responses",
+        conversation,
         streaming=conversation.stream,
         complete=lambda: service.complete(session_id, conversation),
         stream=lambda: service.stream(session_id, conversation),
