@@ -176,11 +176,24 @@ def segments(path: list[TurnRecord], staleness: Staleness | None = None) -> list
     return out
 
 
+Branches = Literal["all", "last"]
+"""Which branches an export holds: every root-to-leaf path, or only the path to the most
+recently stored turn (one leaf per rollout: the retries and forks before it left out)."""
+
+
 def trajectory(
-    session_id: str, turns: list[TurnRecord], staleness: Staleness | None = None
+    session_id: str,
+    turns: list[TurnRecord],
+    staleness: Staleness | None = None,
+    which: Branches = "all",
 ) -> dict[str, Any]:
     exported = []
-    for path in branches(turns):
+    paths = branches(turns)
+    if which == "last" and paths:
+        # Children are stored after their parents, so the newest turn is always a leaf.
+        newest = max(turn.turn_id for turn in turns)
+        paths = [path for path in paths if path[-1].turn_id == newest]
+    for path in paths:
         kept = segments(path, staleness)
         if kept or staleness is None or staleness.action != "drop":
             exported.append(
@@ -194,11 +207,13 @@ def rows(
     finish: Finish | None,
     turns: list[TurnRecord],
     staleness: Staleness | None = None,
+    which: Branches = "all",
 ) -> list[dict[str, Any]]:
-    """One flat row per segment of every branch: what the batch export writes (JSONL lines,
-    Parquet rows). The session's and the finish's facts repeat on each of its rows."""
+    """One flat row per segment of every branch (or of the last one): what the batch export
+    writes (JSONL lines, Parquet rows). The session's and the finish's facts repeat on each
+    of its rows."""
     out: list[dict[str, Any]] = []
-    for branch in trajectory(meta.session_id, turns, staleness)["branches"]:
+    for branch in trajectory(meta.session_id, turns, staleness, which)["branches"]:
         for segment in branch["segments"]:
             out.append(
                 {

@@ -976,7 +976,6 @@ class TurnService:
             return_token_ids=return_token_ids(conversation, plan.session),
         )
 
-
     async def _append(
         self, plan: Plan, records: list[TurnRecord], keys: list[list[str]]
     ) -> list[int]:

@@ -130,6 +130,8 @@ class ExportBatch(BaseModel):
     limit: int = Field(default=1000, ge=1, le=100_000)
     min_weight_version: float | None = None
     stale: Literal["mask", "drop"] = "mask"
+    branches: export.Branches = "all"
+    """`last`: per session only the path to its most recently stored turn."""
 
 
 @router.get("/sessions")
@@ -194,7 +196,7 @@ async def export_batch(body: ExportBatch, request: Request) -> StreamingResponse
 
     async def lines() -> AsyncIterator[bytes]:
         try:
-            async for row in batch.rows(store, selected, staleness):
+            async for row in batch.rows(store, selected, staleness, body.branches):
                 yield json.dumps(row, separators=(",", ":")).encode() + b"\n"
         except SessionNotFound as exc:
             error = {"message": f"session {exc.args[0]!r} was deleted during the export"}
@@ -244,11 +246,14 @@ async def get_trajectory(
     format: Literal["json", "jsonl"] = "json",
     min_weight_version: float | None = None,
     stale: Literal["mask", "drop"] = "mask",
+    branches: export.Branches = "all",
 ) -> dict[str, Any] | StreamingResponse:
+    """`branches=all` (default): every root-to-leaf path of the turn tree; `last`: only the
+    path to the most recently stored turn (one leaf per rollout)."""
     await _existing(request, session_id)
     staleness = _staleness(min_weight_version, stale)
     turns = await request.app.state.turns.store.all_turns(session_id)
-    data = export.trajectory(session_id, turns, staleness)
+    data = export.trajectory(session_id, turns, staleness, branches)
     if format == "json":
         return data
 

@@ -399,9 +399,7 @@ class RedisStore:
         meta_key, _, index_key, _ = self.session_keys(session_id)
         args = [key, fingerprint, owner, repr(time.time()), repr(stale_after_s)]
         # Retried safely: a claim by the same owner is owned again.
-        reply = await self._call(
-            lambda: self._write(self._claim, [meta_key, index_key], args)
-        )
+        reply = await self._call(lambda: self._write(self._claim, [meta_key, index_key], args))
         if not reply:
             raise SessionNotFound(session_id)
         state = reply[0].decode()

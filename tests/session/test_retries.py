@@ -192,3 +192,36 @@ def test_idempotency_key_on_messages_and_responses(stack: Stack) -> None:
     assert again.id == made.id and again.output_text == made.output_text == "Red"
     assert len(stack.double.requests) == 2
     assert _summary(stack, "multi")["turns_by_kind"] == {"first": 1, "retry": 1}
+
+
+def test_branches_last_is_the_path_to_the_newest_turn(stack: Stack) -> None:
+    """A retry leaves two leaves; `branches=last` exports only the newer one, as JSON,
+    JSONL and in the batch export; anything else is a 400 that changes nothing."""
+    first = tokens(stack.model, "Blue", END)
+    second = tokens(stack.model, "Red", END)
+    stack.double.script(ScriptedCompletion(first), ScriptedCompletion(second))
+    assert _chat(stack, "last").status_code == 200
+    assert _chat(stack, "last").json()["tokenkeep"]["kind"] == "retry"
+    with stack.http() as client:
+        every = client.get("/sessions/last/trajectory").json()
+        assert [b["leaf_turn_id"] for b in every["branches"]] == [1, 2]
+        last = client.get("/sessions/last/trajectory", params={"branches": "last"}).json()
+        assert [b["leaf_turn_id"] for b in last["branches"]] == [2]
+        segment = last["branches"][0]["segments"][0]
+        assert segment["token_ids"][segment["turns"][0]["completion_span"][0] :] == second
+        lines = client.get(
+            "/sessions/last/trajectory", params={"branches": "last", "format": "jsonl"}
+        ).text.splitlines()
+        assert len(lines) == 1 and '"leaf_turn_id":2' in lines[0].replace(" ", "")
+        bad = client.get("/sessions/last/trajectory", params={"branches": "first"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "query.branches"
+        assert client.post("/sessions/last/finish", json={}).status_code == 200
+        rows = client.post(
+            "/sessions/export", json={"session_ids": ["last"], "branches": "last"}
+        ).text.splitlines()
+        assert len(rows) == 1 and '"leaf_turn_id":2' in rows[0]
+        bad_batch = client.post(
+            "/sessions/export", json={"session_ids": ["last"], "branches": "none"}
+        )
+        assert bad_batch.status_code == 400
+    assert _summary(stack, "last")["turns"] == 2
