@@ -48,7 +48,7 @@ from session_server.conversation import (
     validate,
 )
 from session_server.engines import EngineClient, GenerationDelta
-from session_server.export import turns_by_version
+from session_server.export import turns_by_version, version_number
 from session_server.metrics import Metrics
 from session_server.results import (
     ChoiceDelta,
@@ -147,6 +147,9 @@ class ServiceConfig:
     default_ttl_seconds: int | None = 86400
     routed_experts: bool = False
     """Sessions store MoE routes unless created saying otherwise."""
+    max_policy_lag: int | None = None
+    """A new turn is refused once the engine's version exceeds the version that sampled the
+    rollout's first turn by more than this (None: no bound)."""
     sampling_overrides: dict[str, Any] = field(default_factory=dict)
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     max_sessions_cached: int = 4096
@@ -186,6 +189,48 @@ class TurnService:
     def engine_versions(self) -> dict[str, str | None]:
         """Replica URL -> the policy version it serves (None: not known yet)."""
         return {replica.url: replica.weight_version for replica in self.engine.replicas}
+
+    def engine_version(self) -> float | None:
+        """The newest numeric policy version any replica serves (None: none known)."""
+        numbers = [
+            version_number(replica.weight_version)
+            for replica in self.engine.replicas
+            if replica.weight_version is not None
+        ]
+        known = [n for n in numbers if n is not None]
+        return max(known) if known else None
+
+    def policy_lag(self, first: TurnRecord | None) -> tuple[str | None, bool]:
+        """The version that sampled `first` (a rollout's first turn) and whether the engine
+        has moved more than `max_policy_lag` versions past it (never without a bound or
+        numeric versions)."""
+        version = first.weight_versions[0].version if first and first.weight_versions else None
+        lag = self.config.max_policy_lag
+        start = None if version is None else version_number(version)
+        current = self.engine_version()
+        if lag is None or start is None or current is None:
+            return version, False
+        return version, current > start + lag
+
+    def _check_policy_lag(self, found: LookupResult) -> None:
+        """Refuse, before any engine call, a turn of a rollout that drifted too far
+        off-policy (`--max-policy-lag`)."""
+        if self.config.max_policy_lag is None:
+            return
+        if found.retry_of is not None:
+            root = found.retry_path[0] if found.retry_path else found.retry_of
+        else:
+            root = found.parent_path[0] if found.parent_path else None
+        version, exceeded = self.policy_lag(root)
+        if exceeded:
+            self.metrics.rejections.labels(reason="policy_lag").inc()
+            raise Refused(
+                409,
+                f"policy lag exceeded: this rollout's first turn was sampled at version "
+                f"{version}, the engine serves {self.engine_version():g} "
+                f"(--max-policy-lag {self.config.max_policy_lag}); start a new rollout",
+                kind="policy_lag_exceeded",
+            )
 
     # --- sessions -------------------------------------------------------------------
 
@@ -306,6 +351,7 @@ class TurnService:
                 keys.input_key,
                 known=self._record_cache(session_id),
             )
+        self._check_policy_lag(found)
         plan = await self._classify(meta, conversation, keys, found)
         if rules:
             plan.volatile = volatile_parts(conversation, rules)
@@ -354,6 +400,7 @@ class TurnService:
             token_input_key(prompt_ids),
             known=self._record_cache(session_id),
         )
+        self._check_policy_lag(found)
         n = len(prompt_ids)
         if found.retry_of is not None:
             retry = found.retry_of

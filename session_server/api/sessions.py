@@ -225,6 +225,7 @@ async def get_session(session_id: str, request: Request) -> dict[str, Any]:
     service = request.app.state.turns
     turns = await service.store.all_turns(session_id)
     finish = await service.store.get_finish(session_id)
+    first_version, lag_exceeded = service.policy_lag(turns[0] if turns else None)
     return {
         "id": session_id,
         "created_at": meta.created_at,
@@ -235,6 +236,8 @@ async def get_session(session_id: str, request: Request) -> dict[str, Any]:
         "finish": _finish_json(finish),
         **export.summary(session_id, turns),
         "engine_weight_versions": service.engine_versions(),
+        "first_weight_version": first_version,
+        "policy_lag_exceeded": lag_exceeded,
         **_urls(request, session_id),
     }
 
