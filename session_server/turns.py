@@ -31,7 +31,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn, TypeVar
 
 import numpy as np
 
@@ -77,7 +77,10 @@ from session_server.store.base import (
 from session_server.streaming import ReplyStreamer
 
 RESPONSE_KEY_PREFIX = "resp:"
+ABORT_WAIT_S = 10.0
+"""How long `abort` waits for the cut requests to store their turns and answer."""
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class SessionMissing(LookupError):
@@ -106,6 +109,80 @@ class Refused(RuntimeError):
         self.kind = kind
         self.param = param
         self.retry_after_s = retry_after_s
+
+
+class Aborted(Refused):
+    """The request's generation was cut by `POST /sessions/{id}/abort` (its cut turn is
+    stored with finish_reason "abort"). 400: an SDK does not resend it by itself."""
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(
+            400,
+            f"generation aborted by POST /sessions/{session_id}/abort; the cut turn is stored "
+            "with finish_reason abort and the session stays usable",
+            kind="aborted",
+        )
+
+
+class _Cut(Exception):
+    """Internal: a flight was aborted while it waited for the engine."""
+
+
+class _Flight:
+    """One generation of a session in flight here, which `abort` can cut: it cancels the
+    task waiting for the engine (which closes the engine connection: vLLM then aborts the
+    request) and that task resumes as if uncancelled, raising `_Cut`. A flight that is not
+    waiting for the engine at that moment (handing a chunk to its client) stops before it
+    waits again; cancellation never lands outside the engine wait."""
+
+    __slots__ = ("aborted", "done", "task", "waiting")
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task[Any] | None = None
+        self.waiting = False
+        self.aborted = False
+        self.done = asyncio.Event()
+
+    def abort(self) -> None:
+        self.aborted = True
+        if self.waiting and self.task is not None:
+            self.task.cancel()
+
+    def _resumed(self) -> bool:
+        """After a CancelledError: whether it was this flight's abort (then absorbed)."""
+        return self.aborted and self.task is not None and self.task.uncancel() == 0
+
+    async def run(self, awaitable: Awaitable[T]) -> T:
+        if self.aborted:
+            raise _Cut
+        self.task = asyncio.current_task()
+        self.waiting = True
+        try:
+            return await awaitable
+        except asyncio.CancelledError:
+            if self._resumed():
+                raise _Cut from None
+            raise
+        finally:
+            self.waiting = False
+
+    async def events(self, events: AsyncIterator[T]) -> AsyncIterator[T]:
+        while True:
+            if self.aborted:
+                raise _Cut
+            self.task = asyncio.current_task()
+            self.waiting = True
+            try:
+                event = await anext(events)
+            except StopAsyncIteration:
+                return
+            except asyncio.CancelledError:
+                if self._resumed():
+                    raise _Cut from None
+                raise
+            finally:
+                self.waiting = False
+            yield event
 
 
 @dataclass(slots=True)
@@ -185,6 +262,8 @@ class TurnService:
         # (session, Idempotency-Key) -> set when this process's request holding it ends, so
         # a resend here wakes at once (resends through other replicas poll the store).
         self._claims: dict[tuple[str, str], asyncio.Event] = {}
+        # Session -> its generations in flight in this process (`abort`).
+        self._flights: dict[str, set[_Flight]] = {}
 
     def engine_versions(self) -> dict[str, str | None]:
         """Replica URL -> the policy version it serves (None: not known yet)."""
@@ -676,6 +755,63 @@ class TurnService:
             else:
                 await self._release(session_id, conversation, claimed)
 
+    # --- abort --------------------------------------------------------------------------
+
+    async def abort(self, session_id: str) -> int:
+        """Cut every generation of the session in flight in this process: each stores its
+        cut turn (finish_reason "abort") and answers its client with `Aborted`. Returns
+        how many were cut, once they have answered (or after ABORT_WAIT_S)."""
+        flights = list(self._flights.get(session_id, ()))
+        for flight in flights:
+            flight.abort()
+        if flights:
+            await asyncio.wait(
+                [asyncio.ensure_future(f.done.wait()) for f in flights], timeout=ABORT_WAIT_S
+            )
+        return len(flights)
+
+    def _take_off(self, session_id: str) -> _Flight:
+        flight = _Flight()
+        self._flights.setdefault(session_id, set()).add(flight)
+        return flight
+
+    def _land(self, session_id: str, flight: _Flight) -> None:
+        flights = self._flights.get(session_id)
+        if flights is not None:
+            flights.discard(flight)
+            if not flights:
+                del self._flights[session_id]
+        flight.done.set()
+
+    async def _record_cut(
+        self,
+        plan: Plan,
+        conversation: Conversation,
+        tokens: list[list[int]],
+        logprobs: list[list[float]] | None = None,
+        versions: list[list[WeightSpan]] | None = None,
+    ) -> NoReturn:
+        """Store what an aborted generation sampled (finish_reason "abort"), then raise
+        Aborted: nothing sampled is dropped, and the client hears why it got no reply."""
+        sampled = []
+        for i, ids in enumerate(tokens):
+            reply = self.model.parse(ids, "length", plan.prompt_ids, conversation.tools)
+            sampled.append(
+                _Sampled(
+                    i,
+                    list(ids),
+                    list(logprobs[i]) if logprobs else [],
+                    "abort",
+                    None,
+                    reply.message,
+                    "abort",
+                    versions[i] if versions else [],
+                )
+            )
+        await self._record(plan, conversation, sampled)
+        self.metrics.aborted_requests.inc()
+        raise Aborted(plan.session.session_id)
+
     # --- idempotency keys ---------------------------------------------------------------
 
     async def _claim(self, session_id: str, conversation: Conversation) -> TurnResult | str | None:
@@ -799,12 +935,22 @@ class TurnService:
     async def _complete(self, plan: Plan, conversation: Conversation) -> TurnResult:
         session_id = plan.session.session_id
         started = time.perf_counter()
-        generation = await self.engine.generate(
-            session_id,
-            plan.prompt_ids,
-            plan.sampling,
-            reasoning_ended=conversation.reasoning_ended,
-        )
+        flight = self._take_off(session_id)
+        try:
+            generation = await flight.run(
+                self.engine.generate(
+                    session_id,
+                    plan.prompt_ids,
+                    plan.sampling,
+                    reasoning_ended=conversation.reasoning_ended,
+                )
+            )
+        except _Cut:
+            # vLLM returns nothing of a non-streamed request it aborted: the cut turn holds
+            # no tokens (a streamed request keeps every token that arrived).
+            await self._record_cut(plan, conversation, [[]] * conversation.n)
+        finally:
+            self._land(session_id, flight)
         self.metrics.engine_seconds.observe(time.perf_counter() - started)
         self._check_proof(plan, generation.prompt_ids)
         replies = [
@@ -852,32 +998,39 @@ class TurnService:
             plan.sampling,
             reasoning_ended=conversation.reasoning_ended,
         )
-        async with contextlib.aclosing(engine_stream) as events:
-            async for event in events:
-                if isinstance(event, GenerationDelta):
-                    if not announced:
-                        announced = True
-                        yield self._started(plan, conversation, response_id)
-                    i = event.index
-                    tokens[i].extend(event.token_ids)
-                    logprobs[i].extend(event.logprobs)
-                    text = streamers[i].feed(event.token_ids)
-                    if event.token_ids or text.content or text.reasoning:
-                        yield ChoiceDelta(
-                            index=i,
-                            token_ids=list(event.token_ids),
-                            logprobs=list(event.logprobs),
-                            content=text.content,
-                            reasoning=text.reasoning,
-                        )
-                    if event.finish_reason is not None:
-                        finish[i] = (event.finish_reason, event.stop_reason)
-                    if event.weight_versions is not None:
-                        versions[i] = event.weight_versions
-                    if event.routed_experts is not None:
-                        routes[i] = event.routed_experts
-                else:  # the engine's report of the prompt it received
-                    self._check_proof(plan, event.prompt_ids)
+        flight = self._take_off(session_id)
+        try:
+            async with contextlib.aclosing(engine_stream) as events:
+                async for event in flight.events(events):
+                    if isinstance(event, GenerationDelta):
+                        if not announced:
+                            announced = True
+                            yield self._started(plan, conversation, response_id)
+                        i = event.index
+                        tokens[i].extend(event.token_ids)
+                        logprobs[i].extend(event.logprobs)
+                        text = streamers[i].feed(event.token_ids)
+                        if event.token_ids or text.content or text.reasoning:
+                            yield ChoiceDelta(
+                                index=i,
+                                token_ids=list(event.token_ids),
+                                logprobs=list(event.logprobs),
+                                content=text.content,
+                                reasoning=text.reasoning,
+                            )
+                        if event.finish_reason is not None:
+                            finish[i] = (event.finish_reason, event.stop_reason)
+                        if event.weight_versions is not None:
+                            versions[i] = event.weight_versions
+                        if event.routed_experts is not None:
+                            routes[i] = event.routed_experts
+                    else:  # the engine's report of the prompt it received
+                        self._check_proof(plan, event.prompt_ids)
+        except _Cut:
+            # Closing the engine stream (above) closed its connection: vLLM stopped it.
+            await self._record_cut(plan, conversation, tokens, logprobs, versions)
+        finally:
+            self._land(session_id, flight)
         self.metrics.engine_seconds.observe(time.perf_counter() - started)
         if not announced:
             yield self._started(plan, conversation, response_id)

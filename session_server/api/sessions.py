@@ -219,6 +219,36 @@ async def finish_session(
     return {"id": session_id, "finish": _finish_json(finish)}
 
 
+class AbortSession(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    finish: bool = False
+    """Also finish the session (its finish metadata then says `"status": "aborted"`);
+    default: the session stays usable."""
+
+
+@router.post("/sessions/{session_id}/abort")
+async def abort_session(
+    session_id: str, request: Request, body: AbortSession | None = None
+) -> dict[str, Any]:
+    """Cut the session's generations in flight on this server: each stores its cut turn
+    (finish_reason "abort") and its request is answered with an `aborted` error. Answers
+    once they have (at most ~10 s)."""
+    body = body or AbortSession()
+    await _existing(request, session_id)
+    store = request.app.state.turns.store
+    if await store.get_finish(session_id) is not None:
+        raise APIError(409, f"session {session_id!r} is finished; nothing to abort")
+    aborted = await request.app.state.turns.abort(session_id)
+    finish = None
+    if body.finish:
+        finish = Finish(finished_at=time.time(), metadata={"status": "aborted"})
+        try:
+            await store.finish_session(session_id, finish)
+        except AlreadyFinished as exc:
+            raise APIError(409, f"session {session_id!r} is already finished") from exc
+    return {"id": session_id, "aborted": aborted, "finish": _finish_json(finish)}
+
+
 @router.get("/sessions/{session_id}")
 async def get_session(session_id: str, request: Request) -> dict[str, Any]:
     meta = await _existing(request, session_id)
