@@ -92,6 +92,24 @@ class Metrics:
             "engine call, no new turn).",
             registry=r,
         )
+        self.prompt_tokens = Counter(
+            "tokenkeep_prompt_tokens",
+            "Prompt tokens of turns whose engine reported prefix-cache hits (the hit ratio is "
+            "tokenkeep_cached_prompt_tokens_total / tokenkeep_prompt_tokens_total).",
+            registry=r,
+        )
+        self.cached_prompt_tokens = Counter(
+            "tokenkeep_cached_prompt_tokens",
+            "Prompt tokens the engine served from its prefix cache (vLLM "
+            "--enable-prompt-tokens-details).",
+            registry=r,
+        )
+        self.stale_cache_turns = Counter(
+            "tokenkeep_stale_cache_turns",
+            "Turns whose cached prefix holds positions of earlier turns sampled under another "
+            "policy version than this turn's (KV computed by an older policy may be reused).",
+            registry=r,
+        )
         self.aborted_requests = Counter(
             "tokenkeep_aborted_requests",
             "Generations cut by POST /sessions/{id}/abort.",

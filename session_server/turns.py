@@ -48,7 +48,7 @@ from session_server.conversation import (
     validate,
 )
 from session_server.engines import EngineClient, GenerationDelta
-from session_server.export import turns_by_version, version_number
+from session_server.export import stale_cache, turns_by_version, version_number
 from session_server.metrics import Metrics
 from session_server.results import (
     ChoiceDelta,
@@ -203,6 +203,9 @@ class Plan:
     splice_seconds: float
     volatile: list[str] = field(default_factory=list)
     """Text the session's normalisation rules ignored in this request (recorded)."""
+    earlier: list[TurnRecord] = field(default_factory=list)
+    """The turns of this turn's segment before it (whose positions the engine may serve from
+    its prefix cache: `stale_cache`)."""
 
     @property
     def route_start(self) -> int:
@@ -432,6 +435,7 @@ class TurnService:
             )
         self._check_policy_lag(found)
         plan = await self._classify(meta, conversation, keys, found)
+        plan.earlier = _earlier(plan, found)
         if rules:
             plan.volatile = volatile_parts(conversation, rules)
         plan.splice_seconds = time.perf_counter() - started
@@ -528,6 +532,7 @@ class TurnService:
                 "history_mismatch",
             )
         plan.n_messages = 0
+        plan.earlier = _earlier(plan, found)
         plan.splice_seconds = time.perf_counter() - started
         plan.sampling = build_sampling(
             conversation, meta.sampling_overrides, self.config, self.model, prompt_length=n
@@ -979,6 +984,7 @@ class TurnService:
                 )
                 for c, reply in replies
             ],
+            cached_tokens=generation.cached_tokens,
         )
 
     async def _stream(self, plan: Plan, conversation: Conversation) -> AsyncIterator[StreamEvent]:
@@ -991,6 +997,7 @@ class TurnService:
         finish: list[tuple[str, int | str | None] | None] = [None] * conversation.n
         versions: list[list[WeightSpan]] = [[] for _ in range(conversation.n)]
         routes: list[np.ndarray | None] = [None] * conversation.n
+        cached: int | None = None
         announced = False
         engine_stream = self.engine.stream(
             session_id,
@@ -1024,6 +1031,8 @@ class TurnService:
                             versions[i] = event.weight_versions
                         if event.routed_experts is not None:
                             routes[i] = event.routed_experts
+                        if event.cached_tokens is not None:
+                            cached = event.cached_tokens
                     else:  # the engine's report of the prompt it received
                         self._check_proof(plan, event.prompt_ids)
         except _Cut:
@@ -1059,7 +1068,9 @@ class TurnService:
                     routes[i],
                 )
             )
-        result = await self._record(plan, conversation, sampled, response_id=response_id)
+        result = await self._record(
+            plan, conversation, sampled, response_id=response_id, cached_tokens=cached
+        )
         yield StreamFinished(result=result)
 
     def _started(self, plan: Plan, conversation: Conversation, response_id: str) -> StreamStarted:
@@ -1090,8 +1101,10 @@ class TurnService:
         sampled: list[_Sampled],
         *,
         response_id: str | None = None,
+        cached_tokens: int | None = None,
     ) -> TurnResult:
         response_id = response_id or uuid.uuid4().hex
+        cache: dict[str, Any] = {} if cached_tokens is None else {"cached_tokens": cached_tokens}
         records: list[TurnRecord] = []
         keys: list[list[str]] = []
         for i, s in enumerate(sampled):
@@ -1136,6 +1149,7 @@ class TurnService:
                     extra={"splice_ms": round(plan.splice_seconds * 1000, 3)}
                     | ({"reply_key": reply_key} if reply_key else {})
                     | ({"volatile": plan.volatile} if plan.volatile else {})
+                    | cache
                     | stamp,
                 )
             )
@@ -1149,6 +1163,15 @@ class TurnService:
             self.metrics.turns_by_weight_version.labels(version=version).inc(count)
         if plan.volatile:
             self.metrics.normalized_requests.inc()
+        if cached_tokens is not None:
+            self.metrics.prompt_tokens.inc(len(plan.prompt_ids))
+            self.metrics.cached_prompt_tokens.inc(cached_tokens)
+            self.metrics.stale_cache_turns.inc(
+                sum(
+                    stale_cache(plan.earlier, cached_tokens, record.weight_versions)
+                    for record in records
+                )
+            )
         if plan.break_reason and plan.kind in ("rewrite",):
             self.metrics.segment_breaks.labels(reason=plan.break_reason).inc()
         self.metrics.splice_seconds.observe(plan.splice_seconds)
@@ -1204,6 +1227,15 @@ class TurnService:
                 record.break_reason = winner.break_reason
             self.metrics.retry_races.inc()
         return await self.store.append_turns(session_id, records, keys)
+
+
+def _earlier(plan: Plan, found: LookupResult) -> list[TurnRecord]:
+    """The segment's turns before the planned one (none when it starts a segment)."""
+    if plan.segment_start:
+        return []
+    path = found.retry_path if plan.kind == "retry" else found.parent_path
+    start = max((i for i, t in enumerate(path) if t.segment_start), default=0)
+    return path[start:]
 
 
 def _key_reused(key: str) -> Refused:

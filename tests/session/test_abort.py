@@ -55,7 +55,9 @@ def test_abort_cuts_a_non_streamed_request_and_leaves_other_sessions_alone(stack
     try:
         with ThreadPoolExecutor(2) as pool:
             other = pool.submit(
-                _post(stack, "/sessions/other/v1/chat/completions", {"model": "m", "messages": USER})
+                _post(
+                    stack, "/sessions/other/v1/chat/completions", {"model": "m", "messages": USER}
+                )
             )
             _when_engine_has(stack, 1)
             cut = pool.submit(

@@ -22,9 +22,7 @@ def lag_stack(
     engine_double: EngineDouble,
     redis_server: str,
 ) -> Iterator[Stack]:
-    yield from make_stack(
-        qwen3_model, engine_double, request.param, redis_server, max_policy_lag=1
-    )
+    yield from make_stack(qwen3_model, engine_double, request.param, redis_server, max_policy_lag=1)
 
 
 def _turn(client: httpx.Client, messages: list[dict[str, Any]]) -> httpx.Response:

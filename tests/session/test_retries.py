@@ -69,10 +69,14 @@ def test_idempotency_key_resend_returns_the_stored_reply(stack: Stack) -> None:
     assert again.status_code == 200
     a, b = first.json(), again.json()
     assert b["id"] == a["id"]
-    assert b["choices"][0]["message"] == a["choices"][0]["message"] == {
-        "role": "assistant",
-        "content": "Blue",
-    }
+    assert (
+        b["choices"][0]["message"]
+        == a["choices"][0]["message"]
+        == {
+            "role": "assistant",
+            "content": "Blue",
+        }
+    )
     assert b["tokenkeep"]["turn_ids"] == a["tokenkeep"]["turn_ids"] == [1]
     assert len(stack.double.requests) == engine_calls  # no engine call
     assert _summary(stack, "idem")["turns"] == 1  # no new turn
