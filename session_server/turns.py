@@ -412,10 +412,18 @@ class TurnService:
         try:
             return await attempt()
         except SessionNotFound:
-            if self._sessions.pop(session_id, None) is None:
-                raise
-            self._records.pop(session_id, None)
+            self._forget(session_id)
             return await attempt()
+
+    def _forget(self, session_id: str) -> None:
+        """The session is gone behind this process's cached metadata (deleted or expired
+        through another replica). Raises SessionNotFound unless it may be created again on
+        first use: a session created with an API key never is (its key was checked against
+        the stale metadata; a fresh keyless session would take the request)."""
+        cached = self._sessions.pop(session_id, None)
+        self._records.pop(session_id, None)
+        if cached is None or cached.key_hash:
+            raise SessionNotFound(session_id)
 
     async def _plan_messages(self, session_id: str, conversation: Conversation) -> Plan:
         started = time.perf_counter()
@@ -840,8 +848,7 @@ class TurnService:
                     stale_after_s=self.config.idempotency_stale_s,
                 )
             except SessionNotFound:  # deleted behind the cached metadata
-                if self._sessions.pop(session_id, None) is None:
-                    raise
+                self._forget(session_id)
                 continue
             if claim.state == "owned":
                 self._claims.setdefault((session_id, idem.key), asyncio.Event())
