@@ -85,6 +85,20 @@ def sse_response(
 
 
 MAX_IDEMPOTENCY_KEY_BYTES = 255
+IDEMPOTENCY_KEY_DOC = {
+    "parameters": [
+        {
+            "name": "Idempotency-Key",
+            "in": "header",
+            "required": False,
+            "schema": {"type": "string", "minLength": 1, "maxLength": MAX_IDEMPOTENCY_KEY_BYTES},
+            "description": "Scoped to the session: a resend with the same key and body gets "
+            "the stored reply (same id, message, tokenkeep.turn_ids; no engine call, no new "
+            "turn), waiting while the first is still generating; another body gets 422. "
+            "Read by hand (not a FastAPI parameter) so the turn route stays lean.",
+        }
+    ]
+}
 
 
 async def idempotency(request: Request) -> Idempotency | None:

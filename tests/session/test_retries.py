@@ -229,3 +229,21 @@ def test_branches_last_is_the_path_to_the_newest_turn(stack: Stack) -> None:
         )
         assert bad_batch.status_code == 400
     assert _summary(stack, "last")["turns"] == 2
+
+
+def test_openapi_schema_documents_keys_branches_and_abort(memory_stack: Stack) -> None:
+    with memory_stack.http() as client:
+        schema = client.get("/openapi.json").json()
+    paths = schema["paths"]
+    for path in (
+        "/sessions/{session_id}/v1/chat/completions",
+        "/v1/messages",
+        "/v1/responses",
+        "/v1/completions",
+    ):
+        names = [p["name"] for p in paths[path]["post"].get("parameters", [])]
+        assert "Idempotency-Key" in names, path
+    trajectory = paths["/sessions/{session_id}/trajectory"]["get"]["parameters"]
+    branches = next(p for p in trajectory if p["name"] == "branches")
+    assert branches["schema"]["enum"] == ["all", "last"]
+    assert "post" in paths["/sessions/{session_id}/abort"]
