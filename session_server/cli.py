@@ -57,6 +57,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
             int,
             "acknowledge a turn once N Redis replicas hold it (TOKENKEEP_REDIS_WAIT_REPLICAS)",
         ),
+        (
+            "--max-policy-lag",
+            int,
+            "refuse a turn (409) once the engine's version exceeds the rollout's first turn's "
+            "by more than K (TOKENKEEP_MAX_POLICY_LAG)",
+        ),
     )
     for flag, kind, help_text in limits:
         p.add_argument(flag, type=kind, help=help_text)
@@ -147,6 +153,7 @@ def _start_check(service: Any, settings: Any) -> None:
                 service.model,
                 Path(settings.check_cache_dir).expanduser(),
                 lambda ok: service.metrics.check_contiguous.set(1 if ok else 0),
+                service.metrics.record_reply_check,
             )
         except Exception:  # a failed check must never take the server down
             logging.getLogger("tokenkeep.check").exception("start-up check failed to run")

@@ -74,12 +74,47 @@ class Metrics:
         self.rejections = Counter(
             "tokenkeep_rejected_requests",
             "Generation requests refused before running, by reason "
-            "(queue_full, queue_timeout, draining).",
+            "(queue_full, queue_timeout, draining, policy_lag).",
             ["reason"],
             registry=r,
         )
-        for reason in ("queue_full", "queue_timeout", "draining"):
+        for reason in ("queue_full", "queue_timeout", "draining", "policy_lag"):
             self.rejections.labels(reason=reason)  # a series from the start, at 0
+        self.retry_races = Counter(
+            "tokenkeep_retry_races",
+            "Turns stored as retries because an identical request stored its turns while this "
+            "one generated (concurrent resends; without this they would be second roots).",
+            registry=r,
+        )
+        self.idempotent_replays = Counter(
+            "tokenkeep_idempotent_replays",
+            "Requests answered with the reply stored under their Idempotency-Key (no "
+            "engine call, no new turn).",
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "tokenkeep_prompt_tokens",
+            "Prompt tokens of turns whose engine reported prefix-cache hits (the hit ratio is "
+            "tokenkeep_cached_prompt_tokens_total / tokenkeep_prompt_tokens_total).",
+            registry=r,
+        )
+        self.cached_prompt_tokens = Counter(
+            "tokenkeep_cached_prompt_tokens",
+            "Prompt tokens the engine served from its prefix cache (vLLM "
+            "--enable-prompt-tokens-details).",
+            registry=r,
+        )
+        self.stale_cache_turns = Counter(
+            "tokenkeep_stale_cache_turns",
+            "Turns whose cached prefix holds positions of earlier turns sampled under another "
+            "policy version than this turn's (KV computed by an older policy may be reused).",
+            registry=r,
+        )
+        self.aborted_requests = Counter(
+            "tokenkeep_aborted_requests",
+            "Generations cut by POST /sessions/{id}/abort.",
+            registry=r,
+        )
         self.generic_splice = Gauge(
             "tokenkeep_generic_splice_families",
             "Served model families on the generic end-of-turn splice (no hand-written "
@@ -92,6 +127,33 @@ class Metrics:
             registry=r,
         )
         self.check_contiguous.set(-1)
+        self.check_tool_calls_parsed = Gauge(
+            "tokenkeep_check_tool_calls_parsed",
+            "Start-up check: 1 scripted tool calls reached the harness as calls, 0 as text, "
+            "-1 not run or no tool-call syntax.",
+            registry=r,
+        )
+        self.check_stream_equal = Gauge(
+            "tokenkeep_check_stream_equal",
+            "Start-up check: 1 streamed replies equal the non-streamed ones, 0 they differ, "
+            "-1 not run.",
+            registry=r,
+        )
+        self.check_tool_calls_parsed.set(-1)
+        self.check_stream_equal.set(-1)
+        self.model_path = Gauge(
+            "tokenkeep_model_path_info",
+            "The served model's path (1 on the chosen series): `renderer` the `renderers` "
+            "family renderer that parses replies, or generic; `bridge` who renders new "
+            "messages (renderer or template); `reason` why auto chose it.",
+            ["renderer", "bridge", "reason"],
+            registry=r,
+        )
+
+    def record_reply_check(self, parsed: bool | None, stream_equal: bool | None) -> None:
+        """The start-up check's reply verdicts (None: not measured)."""
+        self.check_tool_calls_parsed.set(-1 if parsed is None else int(parsed))
+        self.check_stream_equal.set(-1 if stream_equal is None else int(stream_equal))
 
     def watch_engine(self, replicas: Callable[[], list[Any]]) -> None:
         """Report each engine replica (`.url`, `.healthy`, `.weight_version`, as the engine
