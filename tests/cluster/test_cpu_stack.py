@@ -187,12 +187,20 @@ def run_stack(node: Node) -> None:
     node.kubectl("delete", "pod", "-n", NS, engine, "--timeout=300s")
     node.kubectl("wait", "-n", NS, "--for=condition=Ready", "pod", "-l", selector, "--timeout=900s")
     node.timings["engine_replaced_s"] = time.monotonic() - started
+    # With no engine the session servers report not ready (/readyz), so the Service has no
+    # endpoint until they have found the replacement.
+    node.kubectl(
+        "wait", "-n", NS, "--for=condition=Ready", "pod", "-l",
+        "app.kubernetes.io/name=tokenkeep", "--timeout=300s",
+    )  # fmt: skip
 
     def serves() -> list[dict[str, Any]]:
         try:
             return tool_loop(base, key, vocab, f"cluster-{uuid.uuid4().hex[:12]}", turns=2)
         except openai.APIStatusError as error:  # 503 until the new address is discovered
             assert error.status_code == 503, error
+            raise AssertionError(str(error)) from error
+        except httpx.ConnectError as error:  # no ready session server behind the Service yet
             raise AssertionError(str(error)) from error
 
     assert_contiguous(wait_for(serves, timeout=300, interval=5))
