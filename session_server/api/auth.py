@@ -42,7 +42,9 @@ from session_server.turns import SessionMissing, TurnService
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 ANY_CREDENTIAL_PATHS = frozenset({"/v1/models", "/tokenize", "/detokenize"})
-_SESSION_PATH = re.compile(r"^/sessions/([^/]*)/v1/")
+# A session's model APIs: the OpenAI/Anthropic ones under /v1/, vLLM's token-in generate
+# under /inference/v1/.
+_SESSION_PATH = re.compile(r"^/sessions/([^/]*)/(?:inference/)?v1/")
 
 
 def is_open(path: str) -> bool:
@@ -118,7 +120,7 @@ class Guard:
         path = scope["path"]
         if path in ANY_CREDENTIAL_PATHS:
             return None
-        if path.startswith("/v1/"):
+        if path.startswith(("/v1/", "/inference/v1/")):
             target = (headers.get("x-session-id") or "").strip() or holder
         elif match := _SESSION_PATH.match(path):
             target = match.group(1)
