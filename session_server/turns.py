@@ -19,6 +19,7 @@ a request that fails stores nothing.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import itertools
@@ -74,6 +75,11 @@ from session_server.store.base import (
 from session_server.streaming import ReplyStreamer
 
 RESPONSE_KEY_PREFIX = "resp:"
+# Above these sizes a conversation's hashing and rendering run in a worker thread (the
+# tokenizer releases the GIL for long texts, tokenizer.py): ~10 ms of work on the event loop
+# at most, against a thread hand-off (~0.1 ms) that a usual turn does not pay.
+OFF_LOOP_CHARS = 16_384
+OFF_LOOP_MESSAGES = 2_048
 logger = logging.getLogger(__name__)
 
 
@@ -242,9 +248,11 @@ class TurnService:
 
     async def plan(self, session_id: str, conversation: Conversation) -> Plan:
         validate(conversation)
-        self.check_fits(text_chars(conversation), len(conversation.messages))
+        chars = text_chars(conversation)
+        self.check_fits(chars, len(conversation.messages))
+        off_loop = chars > OFF_LOOP_CHARS or len(conversation.messages) > OFF_LOOP_MESSAGES
         return await self._fresh_session_retry(
-            session_id, lambda: self._plan_messages(session_id, conversation)
+            session_id, lambda: self._plan_messages(session_id, conversation, off_loop)
         )
 
     async def _fresh_session_retry(
@@ -260,7 +268,12 @@ class TurnService:
             self._records.pop(session_id, None)
             return await attempt()
 
-    async def _plan_messages(self, session_id: str, conversation: Conversation) -> Plan:
+    async def _plan_messages(
+        self, session_id: str, conversation: Conversation, off_loop: bool = False
+    ) -> Plan:
+        """`off_loop`: the conversation is big enough that hashing it or rendering it (a
+        first turn tokenizes all of it) would hold the event loop, and every other session
+        with it, for tens of ms or more: that work runs in a worker thread."""
         started = time.perf_counter()
         meta = await self.session(session_id)
         rules = compile_rules(meta.normalization) if meta.normalization else None
@@ -269,14 +282,22 @@ class TurnService:
         if conversation.previous_response_id:
             found, keys = await self._continue_response(session_id, conversation, rules)
         else:
-            keys = lineage(conversation, rules)
+            keys = (
+                await asyncio.to_thread(lineage, conversation, rules)
+                if off_loop
+                else lineage(conversation, rules)
+            )
             found = await self.store.lookup(
                 session_id,
                 keys.reply_keys_for_lookup(),
                 keys.input_key,
                 known=self._record_cache(session_id),
             )
-        plan = await self._classify(meta, conversation, keys, found)
+        plan = (
+            await asyncio.to_thread(self._classify, meta, conversation, keys, found)
+            if off_loop
+            else self._classify(meta, conversation, keys, found)
+        )
         if rules:
             plan.volatile = volatile_parts(conversation, rules)
         plan.splice_seconds = time.perf_counter() - started
@@ -398,7 +419,7 @@ class TurnService:
         keys = lineage(conversation, rules, after=found.parent_path[-1].extra.get("reply_key"))
         return found, keys
 
-    async def _classify(
+    def _classify(
         self,
         meta: SessionMeta,
         conversation: Conversation,
