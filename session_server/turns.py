@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import orjson
 
 from session_server.conversation import (
     MAX_RULE_MATCHES,
@@ -109,6 +110,9 @@ class Plan:
     splice_seconds: float
     volatile: list[str] = field(default_factory=list)
     """Text the session's normalisation rules ignored in this request (recorded)."""
+    prompt_json: bytes = b""
+    """`prompt_ids` as a JSON array, once known (from the session's cached prefix + the new
+    tokens, or encoded for the engine request)."""
 
     @property
     def route_start(self) -> int:
@@ -464,7 +468,7 @@ class TurnService:
             )
             if bridge.delta is not None:
                 kind = "fork" if found.parent_children else "extend"
-                return self._plan(
+                plan = self._plan(
                     meta,
                     conversation,
                     keys,
@@ -475,11 +479,32 @@ class TurnService:
                     kind,
                     None,
                 )
+                plan.prompt_json = self._extended_json(
+                    meta.session_id, parent.turn_id, stored, bridge.delta
+                )
+                return plan
             return self._rewrite(meta, conversation, keys, parent.turn_id, bridge.refusal)
         if found.turn_count == 0:
             prompt = self._fresh_prompt(conversation)
             return self._plan(meta, conversation, keys, prompt, None, True, prompt, "first", None)
         return self._rewrite(meta, conversation, keys, None, "history_mismatch")
+
+    def _extended_json(
+        self, session_id: str, parent_id: int, stored: list[int], delta: list[int]
+    ) -> bytes:
+        """The JSON array of `stored + delta` from the JSON this process sent for the turn
+        it extends (b"" when it has none). Encoding the whole history for every engine
+        request was the largest O(history) cost of a turn. Besides the turn id, the cached
+        array must hold as many tokens as `stored` and end with the same ones: an entry
+        from another incarnation of the session can never stand in for this one's tokens
+        (the engine's echo is compared with these bytes, so they must be right)."""
+        cache = self._records.get(session_id)  # no reordering: this may run off the loop
+        entry = cache.tokens_json.get(parent_id) if cache is not None else None
+        if entry is None or entry[0] != len(stored):
+            return b""
+        if not entry[1].endswith(orjson.dumps(stored[-16:])[1:]):
+            return b""
+        return _json_extend(entry[1], delta)
 
     def _fresh_prompt(self, conversation: Conversation) -> list[int]:
         """A whole prompt for a request no stored turn continues. A token-aware client that
@@ -593,11 +618,13 @@ class TurnService:
     async def _complete(self, plan: Plan, conversation: Conversation) -> TurnResult:
         session_id = plan.session.session_id
         started = time.perf_counter()
+        plan.prompt_json = plan.prompt_json or orjson.dumps(plan.prompt_ids)
         generation = await self.engine.generate(
             session_id,
             plan.prompt_ids,
             plan.sampling,
             reasoning_ended=conversation.reasoning_ended,
+            prompt_json=plan.prompt_json,
         )
         self.metrics.engine_seconds.observe(time.perf_counter() - started)
         self._check_proof(plan, generation.prompt_ids)
@@ -640,11 +667,13 @@ class TurnService:
         versions: list[list[WeightSpan]] = [[] for _ in range(conversation.n)]
         routes: list[np.ndarray | None] = [None] * conversation.n
         announced = False
+        plan.prompt_json = plan.prompt_json or orjson.dumps(plan.prompt_ids)
         engine_stream = self.engine.stream(
             session_id,
             plan.prompt_ids,
             plan.sampling,
             reasoning_ended=conversation.reasoning_ended,
+            prompt_json=plan.prompt_json,
         )
         async with contextlib.aclosing(engine_stream) as events:
             async for event in events:
@@ -774,6 +803,15 @@ class TurnService:
         except SessionNotFound:
             self._sessions.pop(plan.session.session_id, None)
             raise
+        cache = self._records.get(plan.session.session_id)
+        if cache is not None and plan.prompt_json:
+            cache.tokens_json = {
+                turn_id: (
+                    len(plan.prompt_ids) + len(s.token_ids),
+                    _json_extend(plan.prompt_json, s.token_ids),
+                )
+                for s, turn_id in zip(sampled, ids, strict=True)
+            }
         self.metrics.turns.labels(kind=plan.kind).inc(len(records))
         for version, count in turns_by_version(records).items():
             self.metrics.turns_by_weight_version.labels(version=version).inc(count)
@@ -876,6 +914,15 @@ def volatile_parts(conversation: Conversation, rules: list[Rule]) -> list[str]:
                 if len(found) >= 8:
                     return found
     return found
+
+
+def _json_extend(array_json: bytes, tokens: list[int]) -> bytes:
+    """The JSON array `array_json` with `tokens` appended (a copy of the bytes, no decoding)."""
+    if not tokens:
+        return array_json
+    if array_json == b"[]":
+        return orjson.dumps(tokens)
+    return array_json[:-1] + b"," + orjson.dumps(tokens)[1:]
 
 
 def token_key(tokens: list[int]) -> str:
