@@ -326,11 +326,15 @@ async def burst(server: Server, texts: Texts, sessions: int, turns: int) -> Burs
     group = [new_session(f"burst-{i}", 300, texts) for i in range(sessions)]
     result = Burst(sessions, sessions * turns)
     marked_before = server.marked_down()
-    limits = httpx.Limits(max_connections=sessions, max_keepalive_connections=sessions)
-    timeout = httpx.Timeout(300, connect=60, pool=300)
+    timeout = httpx.Timeout(900, connect=120, pool=900)
     result.rss_idle = server.rss_bytes()
     started = time.perf_counter()
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    # One client (one connection) per rollout, as rollout workers have: a single httpx pool
+    # of 4,096 connections spends O(connections) per request and became the bottleneck.
+    clients = [httpx.AsyncClient(timeout=timeout) for _ in group]
+    async with contextlib.AsyncExitStack() as stack:
+        for c in clients:
+            await stack.enter_async_context(c)
         done = asyncio.Event()
 
         async def sample() -> None:
@@ -343,7 +347,7 @@ async def burst(server: Server, texts: Texts, sessions: int, turns: int) -> Burs
 
         sampler = asyncio.create_task(sample())
 
-        async def run(session: Session) -> None:
+        async def run(session: Session, client: httpx.AsyncClient) -> None:
             for _ in range(turns):
                 try:
                     response = await client.post(
@@ -362,7 +366,7 @@ async def burst(server: Server, texts: Texts, sessions: int, turns: int) -> Burs
                 result.answered += 1
                 session.answered(response.json())
 
-        await asyncio.gather(*(run(s) for s in group))
+        await asyncio.gather(*(run(s, c) for s, c in zip(group, clients, strict=True)))
         done.set()
         await sampler
     result.wall_s = time.perf_counter() - started
