@@ -445,9 +445,10 @@ def run_store(
             for h in (1_000, 32_000)
         }
         out["ttft"] = {
-            h: added_ttft(server, engine_url, texts, h, args.ttft) for h in (1_000, 32_000)
+            h: added_ttft(server, engine_url, texts, h, args.ttft)
+            for h in ((1_000, 32_000) if args.ttft else ())
         }
-        if store == "memory" or args.burst_redis:
+        if args.burst and (store == "memory" or args.burst_redis):
             out["burst"] = asyncio.run(burst(server, texts, args.burst, 2))
     finally:
         stop(server.proc)
@@ -533,8 +534,8 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--turns", type=int, default=96, help="measured turns per history")
     parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--ttft", type=int, default=30, help="streamed turns per history")
-    parser.add_argument("--burst", type=int, default=4096)
+    parser.add_argument("--ttft", type=int, default=30, help="streamed turns per history (0: skip)")
+    parser.add_argument("--burst", type=int, default=4096, help="sessions (0: skip)")
     parser.add_argument("--burst-redis", action="store_true")
     args = parser.parse_args()
     if args.engine_double:

@@ -254,9 +254,10 @@ class TurnService:
         validate(conversation)
         chars = text_chars(conversation)
         self.check_fits(chars, len(conversation.messages))
-        off_loop = chars > OFF_LOOP_CHARS or len(conversation.messages) > OFF_LOOP_MESSAGES
+        many = len(conversation.messages) > OFF_LOOP_MESSAGES
         return await self._fresh_session_retry(
-            session_id, lambda: self._plan_messages(session_id, conversation, off_loop)
+            session_id,
+            lambda: self._plan_messages(session_id, conversation, many, chars > OFF_LOOP_CHARS),
         )
 
     async def _fresh_session_retry(
@@ -273,11 +274,17 @@ class TurnService:
             return await attempt()
 
     async def _plan_messages(
-        self, session_id: str, conversation: Conversation, off_loop: bool = False
+        self,
+        session_id: str,
+        conversation: Conversation,
+        many: bool = False,
+        long: bool = False,
     ) -> Plan:
-        """`off_loop`: the conversation is big enough that hashing it or rendering it (a
-        first turn tokenizes all of it) would hold the event loop, and every other session
-        with it, for tens of ms or more: that work runs in a worker thread."""
+        """Work that would hold the event loop, and every other session with it, for tens
+        of ms or more runs in a worker thread: hashing and classifying `many` messages, and
+        rendering a `long` conversation that no stored turn continues (a first turn
+        tokenizes all of it). A turn that extends stored tokens stays on the loop: the
+        thread hand-off would cost more than its work."""
         started = time.perf_counter()
         meta = await self.session(session_id)
         rules = compile_rules(meta.normalization) if meta.normalization else None
@@ -288,7 +295,7 @@ class TurnService:
         else:
             keys = (
                 await asyncio.to_thread(lineage, conversation, rules)
-                if off_loop
+                if many
                 else lineage(conversation, rules)
             )
             found = await self.store.lookup(
@@ -299,7 +306,7 @@ class TurnService:
             )
         plan = (
             await asyncio.to_thread(self._classify, meta, conversation, keys, found)
-            if off_loop
+            if many or (long and not found.parent_path and found.retry_of is None)
             else self._classify(meta, conversation, keys, found)
         )
         if rules:
