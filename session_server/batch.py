@@ -111,11 +111,14 @@ async def named(store: SessionStore, session_ids: list[str]) -> list[Selected]:
 
 
 async def rows(
-    store: SessionStore, batch: list[Selected], staleness: export.Staleness | None
+    store: SessionStore,
+    batch: list[Selected],
+    staleness: export.Staleness | None,
+    which: export.Branches = "all",
 ) -> AsyncIterator[dict[str, Any]]:
     """The export rows of each session in turn (one session's turns in memory at a time).
     Raises SessionNotFound if a session vanished after it was selected."""
     for session_id, meta, finish in batch:
         turns = await store.all_turns(session_id)
-        for row in export.rows(meta, finish, turns, staleness):
+        for row in export.rows(meta, finish, turns, staleness, which):
             yield row

@@ -460,6 +460,8 @@ def start(
         str(max_model_len),
         "--enforce-eager",
         "--enable-scale-out",
+        # usage.prompt_tokens_details.cached_tokens: the prefix-cache hits tokenkeep records.
+        "--enable-prompt-tokens-details",
         "--enable-auto-tool-choice",
         "--tool-call-parser",
         "hermes",

@@ -130,6 +130,8 @@ class ExportBatch(BaseModel):
     limit: int = Field(default=1000, ge=1, le=100_000)
     min_weight_version: float | None = None
     stale: Literal["mask", "drop"] = "mask"
+    branches: export.Branches = "all"
+    """`last`: per session only the path to its most recently stored turn."""
 
 
 @router.get("/sessions")
@@ -194,7 +196,7 @@ async def export_batch(body: ExportBatch, request: Request) -> StreamingResponse
 
     async def lines() -> AsyncIterator[bytes]:
         try:
-            async for row in batch.rows(store, selected, staleness):
+            async for row in batch.rows(store, selected, staleness, body.branches):
                 yield json.dumps(row, separators=(",", ":")).encode() + b"\n"
         except SessionNotFound as exc:
             error = {"message": f"session {exc.args[0]!r} was deleted during the export"}
@@ -217,12 +219,43 @@ async def finish_session(
     return {"id": session_id, "finish": _finish_json(finish)}
 
 
+class AbortSession(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    finish: bool = False
+    """Also finish the session (its finish metadata then says `"status": "aborted"`);
+    default: the session stays usable."""
+
+
+@router.post("/sessions/{session_id}/abort")
+async def abort_session(
+    session_id: str, request: Request, body: AbortSession | None = None
+) -> dict[str, Any]:
+    """Cut the session's generations in flight on this server: each stores its cut turn
+    (finish_reason "abort") and its request is answered with an `aborted` error. Answers
+    once they have (at most ~10 s)."""
+    body = body or AbortSession()
+    await _existing(request, session_id)
+    store = request.app.state.turns.store
+    if await store.get_finish(session_id) is not None:
+        raise APIError(409, f"session {session_id!r} is finished; nothing to abort")
+    aborted = await request.app.state.turns.abort(session_id)
+    finish = None
+    if body.finish:
+        finish = Finish(finished_at=time.time(), metadata={"status": "aborted"})
+        try:
+            await store.finish_session(session_id, finish)
+        except AlreadyFinished as exc:
+            raise APIError(409, f"session {session_id!r} is already finished") from exc
+    return {"id": session_id, "aborted": aborted, "finish": _finish_json(finish)}
+
+
 @router.get("/sessions/{session_id}")
 async def get_session(session_id: str, request: Request) -> dict[str, Any]:
     meta = await _existing(request, session_id)
     service = request.app.state.turns
     turns = await service.store.all_turns(session_id)
     finish = await service.store.get_finish(session_id)
+    first_version, lag_exceeded = service.policy_lag(turns[0] if turns else None)
     return {
         "id": session_id,
         "created_at": meta.created_at,
@@ -233,6 +266,8 @@ async def get_session(session_id: str, request: Request) -> dict[str, Any]:
         "finish": _finish_json(finish),
         **export.summary(session_id, turns),
         "engine_weight_versions": service.engine_versions(),
+        "first_weight_version": first_version,
+        "policy_lag_exceeded": lag_exceeded,
         **_urls(request, session_id),
     }
 
@@ -244,11 +279,14 @@ async def get_trajectory(
     format: Literal["json", "jsonl"] = "json",
     min_weight_version: float | None = None,
     stale: Literal["mask", "drop"] = "mask",
+    branches: export.Branches = "all",
 ) -> dict[str, Any] | StreamingResponse:
+    """`branches=all` (default): every root-to-leaf path of the turn tree; `last`: only the
+    path to the most recently stored turn (one leaf per rollout)."""
     await _existing(request, session_id)
     staleness = _staleness(min_weight_version, stale)
     turns = await request.app.state.turns.store.all_turns(session_id)
-    data = export.trajectory(session_id, turns, staleness)
+    data = export.trajectory(session_id, turns, staleness, branches)
     if format == "json":
         return data
 
