@@ -27,6 +27,7 @@ from session_server.turns import Plan, TurnService
 from tests.engine_double import EngineDouble, RecordedRequest, ScriptedCompletion
 from tests.real_tokenizers import qwen3_dir
 from tests.suffix_reference import assert_suffix, assert_suffix_carries
+from tests.trajectory_values import assert_trajectory_values
 
 BASE = "http://tokenkeep.test"
 
@@ -108,6 +109,13 @@ class Stack:
             response = await http.get(path)
             response.raise_for_status()
             return response.json()
+
+    async def trajectory(self, session_id: str, *, every_sample: bool = False) -> Any:
+        """The session's export, its values checked against what the double sampled
+        (`tests/trajectory_values.py`); `every_sample`: the stack served only this session."""
+        trajectory = await self.get(f"/sessions/{session_id}/trajectory")
+        assert_trajectory_values(trajectory, self.double.samples, every_sample=every_sample)
+        return trajectory
 
     def engine_requests(self) -> list[RecordedRequest]:
         return list(self.double.requests)

@@ -51,7 +51,7 @@ def echoed(message: Any) -> dict[str, Any]:
 
 
 async def single_segment(stack: Stack, session_id: str) -> dict[str, Any]:
-    trajectory = await stack.get(f"/sessions/{session_id}/trajectory")
+    trajectory = await stack.trajectory(session_id)
     [branch] = trajectory["branches"]
     [segment] = branch["segments"]
     last = stack.engine_requests()[-1]

@@ -59,7 +59,7 @@ def outputs_for(response: Any, results: dict[str, str]) -> list[dict[str, Any]]:
 
 
 async def single_segment(stack: Stack, session_id: str) -> dict[str, Any]:
-    trajectory = await stack.get(f"/sessions/{session_id}/trajectory")
+    trajectory = await stack.trajectory(session_id)
     [branch] = trajectory["branches"]
     [segment] = branch["segments"]
     assert segment["token_ids"] == stack.engine_requests()[-1].prompt_ids + stack.sent[-1].token_ids
