@@ -17,9 +17,9 @@ import pytest
 from session_server.demo import TOOLS, answer_grammar, tool_call_grammar, weather
 from tests.integration.conftest import TALLY, RealStack
 from tests.integration.relay import Exchange
-from tests.trajectory_values import assert_trajectory_values
 from tests.session.adversarial import naive_prompt
 from tests.suffix_reference import assert_suffix
+from tests.trajectory_values import assert_trajectory_values
 
 pytestmark = pytest.mark.vllm
 

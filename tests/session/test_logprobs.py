@@ -38,14 +38,19 @@ def test_chat_logprobs_are_the_engines(stack: Stack, stream: bool) -> None:
     if stream:
         entries = []
         for chunk in client.chat.completions.create(
-            model="m", messages=MESSAGES, logprobs=True, stream=True  # type: ignore[arg-type]
+            model="m",
+            messages=MESSAGES,
+            logprobs=True,
+            stream=True,  # type: ignore[arg-type]
         ):
             for choice in chunk.choices:
                 if choice.logprobs and choice.logprobs.content:
                     entries += choice.logprobs.content
     else:
         reply = client.chat.completions.create(
-            model="m", messages=MESSAGES, logprobs=True  # type: ignore[arg-type]
+            model="m",
+            messages=MESSAGES,
+            logprobs=True,  # type: ignore[arg-type]
         )
         assert reply.choices[0].logprobs is not None
         entries = list(reply.choices[0].logprobs.content or [])
