@@ -102,3 +102,28 @@ def test_top_logprobs_alternatives_are_refused(memory_stack: Stack) -> None:
     )
     assert reply.choices[0].logprobs is not None
     assert not any(math.isnan(e.logprob) for e in reply.choices[0].logprobs.content or [])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_completions_logprobs_are_the_engines(stack: Stack, stream: bool) -> None:
+    """Token-ID clients (`/v1/completions`, `logprobs: 0`) get the engine's numbers too."""
+    sampled = _sampled(stack)
+    values = _values(sampled)
+    stack.double.script(ScriptedCompletion(sampled, logprobs=values))
+    prompt = stack.model.encode("<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+    client = stack.openai(f"lp-cmpl-{stream}")
+    if stream:
+        got: list[float | None] = []
+        for chunk in client.completions.create(
+            model="m", prompt=prompt, logprobs=0, max_tokens=50, stream=True
+        ):
+            for choice in chunk.choices:
+                if choice.logprobs:
+                    got += choice.logprobs.token_logprobs or []
+    else:
+        reply = client.completions.create(model="m", prompt=prompt, logprobs=0, max_tokens=50)
+        assert reply.choices[0].logprobs is not None
+        got = list(reply.choices[0].logprobs.token_logprobs or [])
+    assert got == values
+    trajectory = stack.trajectory(f"lp-cmpl-{stream}")
+    assert_trajectory_values(trajectory, stack.double.samples, every_sample=True)
