@@ -61,7 +61,7 @@ TARGETED = [
     "tests/api/test_messages_cross_api.py",
     "tests/session/test_stream_equivalence.py",
 ]
-PYTEST_ARGS = ["-x", "-q", "-rf", "-p", "no:cacheprovider", "-p", "no:randomly"]
+PYTEST_ARGS = ["-x", "-q", "-rfE", "-p", "no:cacheprovider", "-p", "no:randomly"]
 SELECT = "not vllm"
 
 
@@ -460,7 +460,9 @@ def judge(code: int, output: str) -> tuple[str, str]:
         return "caught", failed[0].removeprefix("FAILED ")
     if code == 0:
         return "missed", ""
-    return "error", "timeout" if code == -1 else f"exit {code}, no test failed"
+    errors = [line for line in output.splitlines() if line.startswith("ERROR ")]
+    why = errors[0] if errors else (output.strip().splitlines() or [""])[-1]
+    return "error", "timeout" if code == -1 else f"exit {code}, no test failed: {why}"
 
 
 if __name__ == "__main__":
