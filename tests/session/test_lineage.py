@@ -98,6 +98,34 @@ def test_fork_continues_an_inner_turn(stack: Stack) -> None:
     assert kinds.count("fork") == 1 and kinds.count("extend") == 1
 
 
+def test_a_tool_call_with_edited_arguments_is_not_the_sampled_turn(stack: Stack) -> None:
+    """A harness that rewrites a call's arguments (not only their spelling) sends history
+    the model did not sample: the engine must get the request's call, not the stored one."""
+    client = stack.openai("edited-args")
+    call = _say(
+        stack,
+        "<tool_call>",
+        "\n",
+        '{"name":"get_weather","arguments":{"city":"Paris"}}',
+        "\n",
+        "</tool_call>",
+    )
+    first = client.chat.completions.create(model="m", messages=USER, tools=TOOLS)
+    echoed = reply_as_harness_sends(first.choices[0].message)
+    echoed["tool_calls"][0]["function"]["arguments"] = '{"city": "Lyon"}'
+    result = {"role": "tool", "tool_call_id": echoed["tool_calls"][0]["id"], "content": "21C"}
+    _say(stack, "Done")
+    second = client.chat.completions.create(
+        model="m", tools=TOOLS, messages=[*USER, echoed, result]
+    )
+    p1, p2 = stack.prompts()
+    assert p2[: len(p1) + len(call)] != p1 + call  # the sampled Paris call is not continued
+    sent = stack.model.decode(p2)
+    assert '"Lyon"' in sent and '"Paris"' not in sent
+    assert second.model_extra["tokenkeep"]["kind"] == "rewrite"
+    assert_trajectory_values(stack.trajectory("edited-args"), stack.double.samples)
+
+
 def test_edited_history_starts_a_new_segment_with_its_reason(stack: Stack) -> None:
     client = stack.openai("rewrite")
     _say(stack, "Sunny")
