@@ -28,9 +28,9 @@ import math
 import time
 import uuid
 from array import array
-from contextvars import ContextVar
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
 
