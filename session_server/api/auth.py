@@ -38,7 +38,7 @@ from session_server.api.session_ids import (
     session_of_key,
 )
 from session_server.settings import Settings, is_loopback
-from session_server.turns import SessionMissing, TurnService
+from session_server.turns import SessionMissing, TurnService, session_key_request
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 ANY_CREDENTIAL_PATHS = frozenset({"/v1/models", "/tokenize", "/detokenize"})
@@ -90,7 +90,11 @@ class Guard:
         except Exception as exc:  # the store could not be asked about a session key
             refusal = errors.classify(exc)[:2]
         if refusal is None:
-            await self.app(scope, receive, send)
+            marked = session_key_request.set(scope.get("tokenkeep.session_key", False))
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                session_key_request.reset(marked)
             return
         status, message = refusal
         response = errors.error_response(Request(scope), status, message)
@@ -128,6 +132,7 @@ class Guard:
             return 403, "this endpoint needs the admin key; a session key opens its model APIs"
         if target != holder:
             return 403, "this API key opens only its own session"
+        scope["tokenkeep.session_key"] = True
         return None
 
     async def _key_session(self, key: str) -> str | None:
