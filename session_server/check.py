@@ -368,6 +368,7 @@ class ScriptedEngine:
         sampling: dict[str, Any],
         *,
         reasoning_ended: bool | None = None,
+        prompt_json: bytes | None = None,
     ) -> Generation:
         c = self._next(prompt_ids)
         choice = EngineChoice(
@@ -382,6 +383,7 @@ class ScriptedEngine:
         sampling: dict[str, Any],
         *,
         reasoning_ended: bool | None = None,
+        prompt_json: bytes | None = None,
     ) -> AsyncIterator[StreamStart | GenerationDelta]:
         c = self._next(prompt_ids)
         yield StreamStart(self.url, list(prompt_ids))
