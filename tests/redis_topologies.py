@@ -36,6 +36,12 @@ def _wait(check: object, what: str, timeout_s: float = 30) -> None:
     raise RuntimeError(f"{what} did not happen within {timeout_s} s")
 
 
+def _in_sync(primary: redis.Redis) -> int:
+    """How many replicas of `primary` finished their initial sync (state online)."""
+    info = primary.info("replication")
+    return sum(1 for i in range(info["connected_slaves"]) if info[f"slave{i}"]["state"] == "online")
+
+
 class Cluster:
     """The nodes of a running Redis Cluster: `processes` by port, and how each was started."""
 
@@ -58,16 +64,28 @@ class Cluster:
 
     def primary_of(self, key: str) -> int:
         """The port of the primary serving `key`'s slot now."""
+        return self.serving(key)[0]
+
+    def serving(self, key: str) -> list[int]:
+        """The ports serving `key`'s slot now: its primary, then the replicas in sync with it
+        (asked of the primary: other nodes learn of replicas by gossip, later)."""
         port = next(p for p, proc in self.processes.items() if proc.poll() is None)
         client = redis.Redis(port=port)
         try:
             slot = client.cluster("keyslot", key)
-            for start, end, primary, *_ in client.cluster("slots"):
-                if start <= slot <= end:
-                    return int(primary[1])
+            primary = next(
+                int(node[1]) for start, end, node, *_ in client.cluster("slots")
+                if start <= slot <= end
+            )  # fmt: skip
         finally:
             client.close()
-        raise RuntimeError(f"no node serves slot {slot}")
+        client = redis.Redis(port=primary)
+        try:
+            info = client.info("replication")
+        finally:
+            client.close()
+        replicas = (info[f"slave{i}"] for i in range(info["connected_slaves"]))
+        return [primary, *(int(r["port"]) for r in replicas if r["state"] == "online")]
 
     def kill(self, port: int) -> None:
         self.processes[port].kill()
@@ -101,10 +119,7 @@ def cluster(workdir: Path, masters: int = 3, replicas: int = 0) -> Iterator[Clus
             client = redis.Redis(port=port)
             _wait(lambda c=client: c.cluster("info")["cluster_state"] == "ok", "cluster state ok")
             if replicas and client.info("replication")["role"] == "master":
-                _wait(
-                    lambda c=client: c.info("replication")["connected_slaves"] >= replicas,
-                    "replicas in sync",
-                )
+                _wait(lambda c=client: _in_sync(c) >= replicas, "replicas in sync")
             client.close()
         yield nodes
     finally:
