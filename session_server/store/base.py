@@ -24,7 +24,7 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, get_args
 
 import numpy as np
 
@@ -90,6 +90,10 @@ class SessionMeta:
     """SHA-256 of the session's API key (session_server.api.auth); empty: none issued."""
     routed_experts: bool = False
     """MoE routing replay: ask the engine for each turn's expert routes and store them."""
+    group: str | None = None
+    """The rollout group (the G samples of one prompt) this session belongs to."""
+    group_size: int | None = None
+    """How many sessions the group has: it is complete when that many are finished."""
 
 
 def new_incarnation() -> str:
@@ -111,6 +115,10 @@ class RecordCache:
     """The session incarnation the records belong to; None = not known yet (never matches)."""
     records: dict[int, TurnRecord] = field(default_factory=dict)
     """Turn id -> record, as stored in that incarnation."""
+    tokens_json: dict[int, tuple[int, bytes]] = field(default_factory=dict)
+    """Turn id -> (token count, JSON array) of every token through that turn, prompt and
+    reply, as sent to the engine: the next turn sends these bytes and its own new tokens
+    instead of encoding the whole history again. Only the latest turn's are kept."""
 
     def learn(self, incarnation: str | None, decoded: dict[int, TurnRecord]) -> None:
         """Take in the records a lookup decoded from a session of `incarnation`.
@@ -123,6 +131,7 @@ class RecordCache:
         else:
             self.incarnation = incarnation
             self.records = decoded
+            self.tokens_json = {}
 
 
 @dataclass(slots=True)
@@ -191,6 +200,12 @@ class Finish:
     finished_at: float
     reward: float | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    status: str = "ok"
+    """`ok`, or why the rollout failed: `env_error`, `model_error`, `aborted` (FINISH_STATUSES)."""
+
+
+FinishStatus = Literal["ok", "env_error", "model_error", "aborted"]
+FINISH_STATUSES: tuple[str, ...] = get_args(FinishStatus)
 
 
 class SessionNotFound(KeyError):

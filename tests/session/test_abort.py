@@ -172,6 +172,7 @@ def test_abort_bad_input(stack: Stack) -> None:
         assert _abort(stack, "done").json() == {"id": "done", "aborted": 0, "finish": None}
         finished = client.post("/sessions/done/abort", json={"finish": True}).json()
         assert finished["finish"]["metadata"] == {"status": "aborted"}
+        assert finished["finish"]["status"] == "aborted"
         again = client.post("/sessions/done/abort")
         assert again.status_code == 409
         assert client.post("/sessions/done/abort", json={"finish": "x"}).status_code == 400
