@@ -87,5 +87,5 @@ async def test_cluster_primary_killed_under_load(tmp_path: Path) -> None:
                 assert len(await store.all_turns(KEYED)) == 1
             finally:
                 await store.close()
-            for server in servers:
-                assert "Traceback" not in server.log()
+            for server in servers:  # no request failed with a 500 on either server
+                assert '"status":500' not in server.log()
