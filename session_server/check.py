@@ -369,6 +369,7 @@ class ScriptedEngine:
         sampling: dict[str, Any],
         *,
         reasoning_ended: bool | None = None,
+        prompt_json: bytes | None = None,
     ) -> Generation:
         c = self._next(prompt_ids)
         choice = EngineChoice(
@@ -383,6 +384,7 @@ class ScriptedEngine:
         sampling: dict[str, Any],
         *,
         reasoning_ended: bool | None = None,
+        prompt_json: bytes | None = None,
     ) -> AsyncIterator[StreamStart | GenerationDelta]:
         c = self._next(prompt_ids)
         yield StreamStart(self.url, list(prompt_ids))

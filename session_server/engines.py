@@ -434,14 +434,21 @@ class EngineClient:
         sampling: dict[str, Any],
         *,
         reasoning_ended: bool | None = None,
+        prompt_json: bytes | None = None,
     ) -> Generation:
         """One whole generation. `sampling` is vLLM's SamplingParams as a dict, sent as is
         (plus `logprobs: 0` unless set): the caller sends every parameter it means, since
         /generate applies none of the model's generation_config defaults. `reasoning_ended`
         (token endpoint only) makes structured outputs apply from the first token under a
-        reasoning parser."""
+        reasoning parser. `prompt_json`: `prompt_ids` as a JSON array, when the caller
+        already has it (sent as is and compared with the engine's echo)."""
         call = _Call(
-            session_id, prompt_ids, sampling, reasoning_ended, False, orjson.dumps(prompt_ids)
+            session_id,
+            prompt_ids,
+            sampling,
+            reasoning_ended,
+            False,
+            prompt_json or orjson.dumps(prompt_ids),
         )
         started = time.perf_counter()
         last_error: EngineError | None = None
@@ -469,13 +476,19 @@ class EngineClient:
         sampling: dict[str, Any],
         *,
         reasoning_ended: bool | None = None,
+        prompt_json: bytes | None = None,
     ) -> AsyncIterator[StreamEvent]:
         """Yields one `StreamStart`, then `GenerationDelta`s as the engine samples. Failures
         before the first chunk move to the next replica; after it they raise `EngineError`.
         Closing the iterator early (`async with contextlib.aclosing(client.stream(...))`)
         closes the connection, which makes vLLM abort the request."""
         call = _Call(
-            session_id, prompt_ids, sampling, reasoning_ended, True, orjson.dumps(prompt_ids)
+            session_id,
+            prompt_ids,
+            sampling,
+            reasoning_ended,
+            True,
+            prompt_json or orjson.dumps(prompt_ids),
         )
         last_error: EngineError | None = None
         for replica in self._attempts(session_id):

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from session_server.api.params import explicit_sampling
-from session_server.api.routing import LeanRoute
+from session_server.api.routing import LeanRoute, convert
 from session_server.api.session_ids import check_session_id, session_id_from_headers
 from session_server.api.sse import (
     DONE,
@@ -137,6 +137,14 @@ def _arguments(value: str | dict[str, Any]) -> str:
 
 
 def to_conversation(body: ChatCompletionRequest) -> Conversation:
+    if body.top_logprobs:
+        # The engine is asked for the sampled token's logprob only; answering `[]` where
+        # alternatives were asked for would look like a model that had none.
+        raise ConversationError(
+            "top_logprobs > 0 is not supported: logprobs: true returns the sampled tokens' "
+            "logprobs, without alternatives",
+            param="top_logprobs",
+        )
     messages: list[Message] = []
     for m in body.messages:
         role = {"developer": "system", "function": "tool"}.get(m.role, m.role)
@@ -172,7 +180,6 @@ def to_conversation(body: ChatCompletionRequest) -> Conversation:
         sampling=sampling,
         n=body.n,
         logprobs=body.logprobs,
-        top_logprobs=body.top_logprobs or 0,
         response_format=body.structured_outputs or _structured(body.response_format),
         stream=body.stream,
         api="chat",
@@ -390,7 +397,7 @@ async def _chunks(
 
 async def _serve(session_id: str, body: ChatCompletionRequest, request: Request) -> Any:
     service = request.app.state.turns
-    conversation = to_conversation(body)
+    conversation = await convert(request, to_conversation, body)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return await serve_turn(
         request,

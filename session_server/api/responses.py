@@ -44,7 +44,7 @@ from session_server.api.response_tools import (
     open_reasoning,
     seal_reasoning,
 )
-from session_server.api.routing import LeanRoute
+from session_server.api.routing import LeanRoute, convert
 from session_server.api.session_ids import check_session_id, session_id_from_headers
 from session_server.api.sse import IDEMPOTENCY_KEY_DOC, event_line, serve_turn
 from session_server.conversation import Conversation, ConversationError, Message, ToolCall
@@ -213,6 +213,7 @@ class ResponsesRequest(_Wire):
     metadata: dict[str, Any] | None = None
     background: bool = False
     include: list[str] = []
+    top_logprobs: int | None = None
     required_prefix_token_ids: TokenIds | None = None
     return_token_ids: bool | None = None
     """vLLM's name: the reply carries `prompt_token_ids` and `token_ids` (default: the
@@ -228,6 +229,15 @@ def conversation_from_request(
     """`reasoning` reads the sealed `encrypted_content` of resent reasoning items."""
     if request.background:
         raise ConversationError("background responses are not supported", param="background")
+    if request.top_logprobs or "message.output_text.logprobs" in request.include:
+        # An output_text part does not map onto the sampled tokens (reasoning and tool calls
+        # are sampled too); an empty list would read as "no logprobs". The exact values are
+        # in Chat Completions (`logprobs: true`) and in the trajectory export.
+        raise ConversationError(
+            "output_text logprobs are not supported on /v1/responses: use Chat Completions "
+            "with logprobs: true, or the session's trajectory export",
+            param="top_logprobs" if request.top_logprobs else "include",
+        )
     messages: list[Message] = []
     # A continued response's stored prompt already holds the instructions it was sampled
     # with (clients resend them on every call); only the new items are appended to it.
@@ -649,8 +659,11 @@ def _reasoning_key(app: Any) -> bytes:
 
 async def _serve(session_id: str, wire: ResponsesRequest, request: Request) -> Any:
     key = _reasoning_key(request.app)
-    conversation = conversation_from_request(
-        wire, reasoning=lambda value: open_reasoning(key, session_id, value)
+    conversation = await convert(
+        request,
+        lambda: conversation_from_request(
+            wire, reasoning=lambda value: open_reasoning(key, session_id, value)
+        ),
     )
     seal: ReasoningSealer | None = None
     if "reasoning.encrypted_content" in wire.include:
