@@ -45,5 +45,5 @@ def test_startup_check_passes_behind_the_admin_key_from_the_environment(
         stop_server(server)
     log = server.log.read_text()
     assert value == 1, log[-3000:]
-    assert "start-up check: token-exact on 3 scenarios" in log
+    assert "start-up check: token-exact on" in log
     assert len(list(cache.glob("*.json"))) == 1
