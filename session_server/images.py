@@ -1,0 +1,180 @@
+"""Images in a conversation: decoding what clients send, content hashes, placeholder counts.
+
+A vision-language model sees an image as a run of placeholder tokens (Qwen-VL:
+`<|vision_start|>` + N x `<|image_pad|>` + `<|vision_end|>`), and N is a pure function of the
+image's size and the model's processor settings: the processor resizes the image so both
+sides are multiples of `patch_size * merge_size` and its area lies in [min_pixels,
+max_pixels] (Qwen2-VL's `smart_resize`, which vLLM and transformers both use), cuts it into
+`patch_size` patches and merges `merge_size**2` patches into one token. tokenkeep computes N
+itself, so a prompt with images is known token for token before the engine sees it; the
+engine's expanded prompt is then compared with it (`check_expanded`).
+
+An image is named by the SHA-256 of its bytes: a harness that resends the same screenshot
+sends the same image, whatever the data URL around it looked like.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import io
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from PIL import Image, UnidentifiedImageError
+
+from session_server.conversation import ConversationError
+
+# What the engine's image loader decodes and every harness sends; others are refused, not
+# converted (a conversion would be an image the client never sent).
+SUPPORTED_FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "GIF": "image/gif"}
+MAX_IMAGE_BYTES = 20 << 20
+MAX_IMAGE_PIXELS = 8192 * 8192
+MAX_ASPECT_RATIO = 200  # the processor refuses more extreme shapes
+
+
+class ImageTooLarge(ConversationError):
+    """An image over the byte limit (HTTP 413 in every front-end)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ImageInput:
+    """One image as a client sent it."""
+
+    data: bytes
+    mime: str
+    width: int
+    height: int
+    sha256: str
+
+    @property
+    def data_url(self) -> str:
+        return f"data:{self.mime};base64,{base64.b64encode(self.data).decode('ascii')}"
+
+
+def decode_image(data: bytes, *, param: str | None = None) -> ImageInput:
+    """Check and describe image bytes: a supported format that decodes, within the limits."""
+    if len(data) > MAX_IMAGE_BYTES:
+        raise ImageTooLarge(
+            f"image is {len(data)} bytes; at most {MAX_IMAGE_BYTES} bytes", param=param
+        )
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            fmt = image.format or ""
+            if fmt not in SUPPORTED_FORMATS:
+                raise ConversationError(
+                    f"unsupported image format {fmt or 'unknown'}; send "
+                    f"{', '.join(sorted(SUPPORTED_FORMATS))}",
+                    param=param,
+                )
+            width, height = image.size
+            if width * height > MAX_IMAGE_PIXELS:
+                raise ConversationError(
+                    f"image is {width}x{height}; at most {MAX_IMAGE_PIXELS} pixels", param=param
+                )
+            image.load()  # a truncated or corrupt body fails here, not in the engine
+    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
+        if isinstance(exc, ConversationError):
+            raise
+        raise ConversationError(f"image cannot be decoded: {exc}", param=param) from exc
+    if min(width, height) < 1 or max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
+        raise ConversationError(
+            f"image is {width}x{height}; the aspect ratio must be under {MAX_ASPECT_RATIO}",
+            param=param,
+        )
+    return ImageInput(
+        data=data,
+        mime=SUPPORTED_FORMATS[fmt],
+        width=width,
+        height=height,
+        sha256=hashlib.sha256(data).hexdigest(),
+    )
+
+
+def decode_data_url(url: str, *, param: str | None = None) -> ImageInput:
+    """An image from a `data:image/...;base64,...` URL. Remote URLs are refused: tokenkeep does
+    not fetch (a rollout must not depend on what a server returns later)."""
+    if not url.startswith("data:"):
+        scheme = url.split(":", 1)[0] if ":" in url else "(none)"
+        raise ConversationError(
+            f"image URLs must be data: URLs (base64); {scheme!r} URLs are not fetched",
+            param=param,
+        )
+    header, sep, payload = url.partition(",")
+    if not sep or not header.endswith(";base64"):
+        raise ConversationError("image data: URLs must be base64-encoded", param=param)
+    return decode_base64(payload, param=param)
+
+
+def decode_base64(payload: str, *, param: str | None = None) -> ImageInput:
+    if len(payload) > (MAX_IMAGE_BYTES * 4) // 3 + 4:
+        raise ImageTooLarge(f"image is over {MAX_IMAGE_BYTES} bytes", param=param)
+    try:
+        data = base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ConversationError(f"image is not valid base64: {exc}", param=param) from exc
+    return decode_image(data, param=param)
+
+
+@dataclass(frozen=True, slots=True)
+class VisionSpec:
+    """What decides placeholder counts, read from the served model's own files."""
+
+    patch_size: int
+    merge_size: int
+    min_pixels: int
+    max_pixels: int
+    image_token: str = "<|image_pad|>"
+    start_token: str = "<|vision_start|>"
+    end_token: str = "<|vision_end|>"
+
+    def placeholders(self, width: int, height: int) -> int:
+        """How many image tokens the processor makes of a width x height image."""
+        resized_height, resized_width = smart_resize(
+            height, width, self.patch_size * self.merge_size, self.min_pixels, self.max_pixels
+        )
+        patches = (resized_height // self.patch_size) * (resized_width // self.patch_size)
+        return patches // (self.merge_size**2)
+
+
+def vision_spec(model_dir: str | Path) -> VisionSpec | None:
+    """The model's image processor settings (Qwen2-VL / Qwen3-VL `preprocessor_config.json`),
+    or None for a model without one (a text-only model)."""
+    path = Path(model_dir) / "preprocessor_config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text())
+    size = config.get("size") or {}
+    # Qwen3-VL writes the pixel bounds under `size`; Qwen2-VL checkpoints as min/max_pixels.
+    min_pixels = size.get("shortest_edge", config.get("min_pixels"))
+    max_pixels = size.get("longest_edge", config.get("max_pixels"))
+    if not (config.get("patch_size") and min_pixels and max_pixels):
+        return None
+    return VisionSpec(
+        patch_size=int(config["patch_size"]),
+        merge_size=int(config.get("merge_size", 2)),
+        min_pixels=int(min_pixels),
+        max_pixels=int(max_pixels),
+    )
+
+
+def smart_resize(
+    height: int, width: int, factor: int, min_pixels: int, max_pixels: int
+) -> tuple[int, int]:
+    """Qwen2-VL's resize rule: sides rounded to multiples of `factor`, the area brought into
+    [min_pixels, max_pixels] keeping the aspect ratio. Python's `round` (half to even) is the
+    processor's too."""
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
