@@ -30,7 +30,12 @@ from session_server.conversation import ConversationError
 
 # What the engine's image loader decodes and every harness sends; others are refused, not
 # converted (a conversion would be an image the client never sent).
-SUPPORTED_FORMATS = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp", "GIF": "image/gif"}
+SUPPORTED_FORMATS = {
+    "PNG": "image/png",
+    "JPEG": "image/jpeg",
+    "WEBP": "image/webp",
+    "GIF": "image/gif",
+}
 MAX_IMAGE_BYTES = 20 << 20
 MAX_IMAGE_PIXELS = 8192 * 8192
 MAX_ASPECT_RATIO = 200  # the processor refuses more extreme shapes
@@ -178,3 +183,100 @@ def smart_resize(
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
+
+
+# --- placeholder runs in token sequences ------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PlaceholderRun:
+    """Where one image's placeholder tokens sit in a token sequence."""
+
+    sha256: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class VisionTokens:
+    spec: VisionSpec
+    start_id: int
+    pad_id: int
+    end_id: int
+
+
+def vision_tokens(spec: VisionSpec | None, vocab: dict[str, int]) -> VisionTokens | None:
+    if spec is None:
+        return None
+    ids = [vocab.get(t) for t in (spec.start_token, spec.image_token, spec.end_token)]
+    if any(i is None for i in ids):
+        return None
+    start, pad, end = ids
+    assert start is not None and pad is not None and end is not None
+    return VisionTokens(spec, start, pad, end)
+
+
+def expand(
+    ids: list[int], images: list[ImageInput], vision: VisionTokens
+) -> tuple[list[int], list[PlaceholderRun]]:
+    """A rendered prompt (the chat template writes one pad per image: `start pad end`) with
+    each image's pad repeated as often as the processor makes tokens of that image. `images`
+    are the rendered messages' images in order; their runs' offsets are in the result."""
+    out: list[int] = []
+    runs: list[PlaceholderRun] = []
+    position = 0
+    for i, token in enumerate(ids):
+        if (
+            token == vision.pad_id
+            and i > 0
+            and ids[i - 1] == vision.start_id
+            and i + 1 < len(ids)
+            and ids[i + 1] == vision.end_id
+        ):
+            if position >= len(images):
+                raise ValueError("the template wrote more image placeholders than images")
+            image = images[position]
+            length = vision.spec.placeholders(image.width, image.height)
+            runs.append(PlaceholderRun(image.sha256, len(out), length))
+            out.extend([vision.pad_id] * length)
+            position += 1
+        else:
+            out.append(token)
+    if position != len(images):
+        raise ValueError(f"the template wrote {position} image placeholders for {len(images)}")
+    return out, runs
+
+
+def collapse(ids: list[int], runs: list[PlaceholderRun]) -> list[int]:
+    """The prompt as vLLM's token-in endpoint takes it with `content_parts`: one pad per
+    image (vLLM expands each, in order). Sending the expanded ids would expand them again."""
+    out: list[int] = []
+    position = 0
+    for run in sorted(runs, key=lambda r: r.offset):
+        out.extend(ids[position : run.offset + 1])
+        position = run.offset + run.length
+    out.extend(ids[position:])
+    return out
+
+
+def content_parts(images: list[ImageInput]) -> list[dict[str, str]]:
+    """Every image of the prompt, in order (vLLM assigns the i-th part to the i-th pad; only
+    the new ones would land on the first pads). The hash is vLLM's multimodal uuid: its
+    processor cache then skips re-processing an image it has seen."""
+    return [{"type": "image_url", "url": i.data_url, "uuid": i.sha256} for i in images]
+
+
+def echo_mismatch(
+    sent: list[int],
+    runs: list[PlaceholderRun],
+    echoed_ids: list[int] | None,
+    echoed_placeholders: dict[str, list[dict[str, int]]] | None,
+) -> str | None:
+    """Why the engine's expanded prompt is not the one tokenkeep computed, or None."""
+    if echoed_ids is not None and echoed_ids != sent:
+        return "the engine expanded the images to a different prompt"
+    got = [(p["offset"], p["length"]) for p in (echoed_placeholders or {}).get("image", [])]
+    want = [(r.offset, r.length) for r in sorted(runs, key=lambda r: r.offset)]
+    if got != want:
+        return f"the engine placed images at {got}, tokenkeep at {want}"
+    return None

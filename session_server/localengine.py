@@ -247,8 +247,10 @@ def install(progress: Progress = _print_progress) -> Path:
         return venv_python()
 
 
-_TORCHVISION_FAKES = ('@torch.library.register_fake("torchvision::nms")',
-                      '@torch.library.register_fake("torchvision::qnms")')
+_TORCHVISION_FAKES = (
+    '@torch.library.register_fake("torchvision::nms")',
+    '@torch.library.register_fake("torchvision::qnms")',
+)
 
 
 def _patch_torchvision(site_packages: Path) -> None:

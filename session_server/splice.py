@@ -16,7 +16,7 @@ import json
 import logging
 import re
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +29,14 @@ from renderers import (
 )
 
 from session_server.conversation import (
+    IMAGE_MARK,
     ConversationError,
     Message,
     Tool,
     ToolCall,
     canonical_text,
 )
+from session_server.images import PlaceholderRun, expand, vision_spec, vision_tokens
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,8 @@ class Bridge:
 
     delta: list[int] | None
     refusal: str | None = None
+    runs: list[PlaceholderRun] = field(default_factory=list)
+    """The new images' placeholder runs, offsets within `delta`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +127,24 @@ class ChatModel:
             vocab.get("<think>"),
             vocab.get("</think>"),
         )
+        # A vision-language model: its processor settings decide each image's placeholders.
+        model_path = str(getattr(tokenizer, "name_or_path", "") or "")
+        self.vision = vision_tokens(vision_spec(model_path), vocab) if model_path else None
+
+    def _expand(
+        self, ids: list[int], messages: list[Message]
+    ) -> tuple[list[int], list[PlaceholderRun]]:
+        images = [image for m in messages for image in m.images]
+        if not images:
+            return ids, []
+        if self.vision is None:
+            raise ConversationError(
+                "the served model takes no images (text-only)", param="messages"
+            )
+        try:
+            return expand(ids, images, self.vision)
+        except ValueError as exc:  # a template that does not write Qwen-VL placeholders
+            raise ConversationError(f"images cannot be placed: {exc}", param="messages") from exc
 
     def opens_reasoning(self, prompt_ids: list[int]) -> bool:
         """Whether the prompt ends inside a reasoning block the template opened (QwQ,
@@ -141,15 +163,23 @@ class ChatModel:
 
     def render_prompt(self, messages: list[Message], tools: list[Tool]) -> list[int]:
         """A whole prompt, ending where the next assistant turn starts generating."""
+        return self.render_prompt_runs(messages, tools)[0]
+
+    def render_prompt_runs(
+        self, messages: list[Message], tools: list[Tool]
+    ) -> tuple[list[int], list[PlaceholderRun]]:
+        """`render_prompt` and where its images' placeholder runs are."""
         if self.family == GENERIC:
-            return self._apply_template(messages, tools, add_generation_prompt=True)
-        return list(
-            self.renderer.render_ids(
-                to_renderer_messages(messages),
-                tools=to_renderer_tools(tools),
-                add_generation_prompt=True,
+            ids = self._apply_template(messages, tools, add_generation_prompt=True)
+        else:
+            ids = list(
+                self.renderer.render_ids(
+                    to_renderer_messages(messages),
+                    tools=to_renderer_tools(tools),
+                    add_generation_prompt=True,
+                )
             )
-        )
+        return self._expand(ids, messages)
 
     def _apply_template(
         self, messages: list[Message], tools: list[Tool], *, add_generation_prompt: bool
@@ -198,7 +228,8 @@ class ChatModel:
             delta = None if rendered is None else _prove(tail, completion_ids, rendered)
         if delta is None:
             return Bridge(None, "bridge_unproven")
-        return Bridge(delta)
+        expanded, runs = self._expand(delta, new_messages)
+        return Bridge(expanded, runs=runs)
 
     def _generic_bridge(
         self,
@@ -458,13 +489,15 @@ def _carries_messages(tokenizer: Any, delta: list[int], messages: list[Message])
     text = tokenizer.decode(delta, skip_special_tokens=False)
     position = 0
     for message in messages:
-        needle = canonical_text(message.content)
-        if not needle:
-            continue
-        found = text.find(needle, position)
-        if found < 0:
-            return False
-        position = found + len(needle)
+        # Around an image the template writes its placeholder, not the mark.
+        for piece in canonical_text(message.content).split(IMAGE_MARK):
+            needle = piece.strip()
+            if not needle:
+                continue
+            found = text.find(needle, position)
+            if found < 0:
+                return False
+            position = found + len(needle)
     return True
 
 
@@ -545,7 +578,7 @@ def to_renderer_messages(
 ) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for m in messages:
-        entry: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+        entry: dict[str, Any] = {"role": m.role, "content": _content(m)}
         if m.role == "assistant" and m.reasoning:
             entry["reasoning_content"] = m.reasoning
         if m.tool_calls:
@@ -568,6 +601,20 @@ def to_renderer_messages(
             entry["name"] = m.name
         out.append(entry)
     return out
+
+
+def _content(message: Message) -> str | list[dict[str, str]]:
+    """Text, or for a message with images the content-part list VL chat templates render
+    (an image part where each `IMAGE_MARK` is)."""
+    if not message.images:
+        return message.content or ""
+    parts: list[dict[str, str]] = []
+    for i, piece in enumerate(message.content.split(IMAGE_MARK)):
+        if i:
+            parts.append({"type": "image"})
+        if piece:
+            parts.append({"type": "text", "text": piece})
+    return parts
 
 
 def _arguments_value(arguments: str) -> Any:
