@@ -103,7 +103,9 @@ class Conversation:
 
 
 class ConversationError(ValueError):
-    """A request the core cannot accept (maps to HTTP 400 in every front-end)."""
+    """A request the core cannot accept (maps to HTTP `status`, 400, in every front-end)."""
+
+    status = 400
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)

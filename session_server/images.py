@@ -26,7 +26,7 @@ from pathlib import Path
 
 from PIL import Image, UnidentifiedImageError
 
-from session_server.conversation import ConversationError
+from session_server.conversation import IMAGE_MARK, ConversationError, Message
 
 # What the engine's image loader decodes and every harness sends; others are refused, not
 # converted (a conversion would be an image the client never sent).
@@ -41,8 +41,13 @@ MAX_IMAGE_PIXELS = 8192 * 8192
 MAX_ASPECT_RATIO = 200  # the processor refuses more extreme shapes
 
 
+MAX_IMAGES_PER_REQUEST = 64
+
+
 class ImageTooLarge(ConversationError):
     """An image over the byte limit (HTTP 413 in every front-end)."""
+
+    status = 413
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,6 +117,21 @@ def decode_data_url(url: str, *, param: str | None = None) -> ImageInput:
     if not sep or not header.endswith(";base64"):
         raise ConversationError("image data: URLs must be base64-encoded", param=param)
     return decode_base64(payload, param=param)
+
+
+def no_marks(text: str, param: str) -> str:
+    """Client text, refused if it holds the character tokenkeep marks images with."""
+    if IMAGE_MARK in text:
+        raise ConversationError("text must not contain U+FFFC", param=param)
+    return text
+
+
+def check_count(messages: list[Message]) -> None:
+    count = sum(len(m.images) for m in messages)
+    if count > MAX_IMAGES_PER_REQUEST:
+        raise ConversationError(
+            f"{count} images in one request; at most {MAX_IMAGES_PER_REQUEST}", param="messages"
+        )
 
 
 def decode_base64(payload: str, *, param: str | None = None) -> ImageInput:
@@ -280,3 +300,35 @@ def echo_mismatch(
     if got != want:
         return f"the engine placed images at {got}, tokenkeep at {want}"
     return None
+
+
+def find_runs(
+    ids: list[int], images: list[ImageInput], vision: VisionTokens
+) -> list[PlaceholderRun]:
+    """The placeholder runs of a stored prompt (`start pad... end`), matched to the request's
+    images in order. A prompt whose runs are not exactly these images (a client that did not
+    resend earlier images) is refused: the engine would see pads without pictures."""
+    runs: list[tuple[int, int]] = []
+    i, n = 0, len(ids)
+    while True:
+        try:
+            i = ids.index(vision.start_id, i)
+        except ValueError:
+            break
+        j = i + 1
+        while j < n and ids[j] == vision.pad_id:
+            j += 1
+        if j > i + 1 and j < n and ids[j] == vision.end_id:
+            runs.append((i + 1, j - i - 1))
+        i = max(j, i + 1)
+    lengths = [vision.spec.placeholders(image.width, image.height) for image in images]
+    if [length for _, length in runs] != lengths:
+        raise ConversationError(
+            f"the session's prompt holds {len(runs)} image(s) and this request "
+            f"{len(images)}; send every earlier image again, in order",
+            param="messages",
+        )
+    return [
+        PlaceholderRun(image.sha256, offset, length)
+        for image, (offset, length) in zip(images, runs, strict=True)
+    ]

@@ -48,6 +48,7 @@ from session_server.conversation import (
 )
 from session_server.engines import EngineClient, GenerationDelta
 from session_server.export import turns_by_version
+from session_server.images import ImageInput, collapse, find_runs
 from session_server.metrics import Metrics
 from session_server.results import (
     ChoiceDelta,
@@ -571,12 +572,14 @@ class TurnService:
 
     async def _complete(self, plan: Plan, conversation: Conversation) -> TurnResult:
         session_id = plan.session.session_id
+        sent, images = self._engine_prompt(plan, conversation)
         started = time.perf_counter()
         generation = await self.engine.generate(
             session_id,
-            plan.prompt_ids,
+            sent,
             plan.sampling,
             reasoning_ended=conversation.reasoning_ended,
+            images=images,
         )
         self.metrics.engine_seconds.observe(time.perf_counter() - started)
         self._check_proof(plan, generation.prompt_ids)
@@ -619,11 +622,13 @@ class TurnService:
         versions: list[list[WeightSpan]] = [[] for _ in range(conversation.n)]
         routes: list[np.ndarray | None] = [None] * conversation.n
         announced = False
+        sent, images = self._engine_prompt(plan, conversation)
         engine_stream = self.engine.stream(
             session_id,
-            plan.prompt_ids,
+            sent,
             plan.sampling,
             reasoning_ended=conversation.reasoning_ended,
+            images=images,
         )
         async with contextlib.aclosing(engine_stream) as events:
             async for event in events:
@@ -694,6 +699,21 @@ class TurnService:
             response_id=response_id,
             return_token_ids=return_token_ids(conversation, plan.session),
         )
+
+    def _engine_prompt(
+        self, plan: Plan, conversation: Conversation
+    ) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """The prompt as vLLM's token-in endpoint takes images: one pad per image and every
+        image so far, in order (it expands them and echoes the expanded prompt, which the
+        proof then compares with the stored one)."""
+        vision = self.model.vision
+        if vision is None:
+            return plan.prompt_ids, ()
+        images = [image for m in conversation.messages for image in m.images]
+        runs = find_runs(plan.prompt_ids, images, vision)
+        if not runs:
+            return plan.prompt_ids, ()
+        return collapse(plan.prompt_ids, runs), tuple(images)
 
     def _check_proof(self, plan: Plan, reported: list[int] | None) -> None:
         if reported is not None and reported != plan.prompt_ids:

@@ -1,0 +1,221 @@
+"""Screenshots through the whole stack: the OpenAI SDK, tokenkeep (Redis store), a recording
+relay, and real vLLM CPU serving the tiny Qwen3-VL. Three turns: a screenshot, a tool result,
+a new screenshot with the first one resent; streamed and not."""
+
+from __future__ import annotations
+
+import base64
+import io
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import openai
+import pytest
+from PIL import Image
+
+from session_server.app import create_app
+from session_server.images import decode_image
+from session_server.settings import Settings
+from session_server.splice import ChatModel
+from session_server.tokenizer import load_tokenizer
+from tests.integration.conftest import RealStack
+from tests.integration.relay import Relay
+from tests.live_server import serving
+from tests.vllm_fixture import RunningEngine, vision_engine
+
+__all__ = ["vision_engine"]
+
+pytestmark = pytest.mark.vllm
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "click",
+            "description": "Click at a point of the screen",
+            "parameters": {
+                "type": "object",
+                "properties": {"x": {"type": "integer"}, "y": {"type": "integer"}},
+                "required": ["x", "y"],
+            },
+        },
+    }
+]
+
+
+@pytest.fixture(scope="module")
+def vision_stack(vision_engine: RunningEngine, redis_server: str) -> Iterator[RealStack]:
+    relay = Relay(vision_engine.url)
+    with serving(relay.app()) as relay_url:
+        settings = Settings(
+            engine_urls=[relay_url],
+            model=vision_engine.served_model_name,
+            tokenizer=str(vision_engine.model_dir),
+            context_length=vision_engine.max_model_len,
+            redis_url=redis_server,
+        )
+        with serving(create_app(settings)) as url:
+            model = ChatModel(load_tokenizer(str(vision_engine.model_dir)))
+            yield RealStack(url, relay, model, vision_engine)
+
+
+def screenshot(width: int, height: int, shade: int) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), (shade, 90, 160)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+def image_part(data: bytes) -> dict[str, Any]:
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def ask(
+    client: openai.OpenAI, body: dict[str, Any], stream: bool
+) -> tuple[Any, list[int], list[int]]:
+    """(the assistant message to echo, the prompt ids, the sampled ids)."""
+    if not stream:
+        reply = client.chat.completions.create(**body)
+        choice = reply.choices[0]
+        return (
+            choice.message.model_dump(exclude_none=True),
+            (reply.model_extra or {})["prompt_token_ids"],
+            (choice.model_extra or {})["token_ids"],
+        )
+    prompt: list[int] = []
+    sampled: list[int] = []
+    content = ""
+    calls: dict[int, dict[str, Any]] = {}
+    for chunk in client.chat.completions.create(**body, stream=True):
+        prompt = (chunk.model_extra or {}).get("prompt_token_ids") or prompt
+        for choice in chunk.choices:
+            sampled += (choice.model_extra or {}).get("token_ids") or []
+            content += choice.delta.content or ""
+            for call in choice.delta.tool_calls or ():
+                empty = {"name": "", "arguments": ""}
+                entry = calls.setdefault(
+                    call.index, {"id": call.id, "type": "function", "function": empty}
+                )
+                if call.function and call.function.name:
+                    entry["function"]["name"] += call.function.name
+                if call.function and call.function.arguments:
+                    entry["function"]["arguments"] += call.function.arguments
+    message: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = list(calls.values())
+    return message, prompt, sampled
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_screenshot_tool_loop_is_token_exact(vision_stack: RealStack, stream: bool) -> None:
+    http = vision_stack.http()
+    session = http.post("/sessions", json={"id": f"vl-{uuid.uuid4().hex}", "sampling": {"seed": 5}})
+    assert session.status_code == 201, session.text
+    session_id = session.json()["id"]
+    client = vision_stack.openai(session.json())
+    first, second = screenshot(1280, 800, 10), screenshot(333, 517, 200)
+    vision = vision_stack.model.vision
+    assert vision is not None
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You operate a desktop."},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Open settings."}, image_part(first)],
+        },
+    ]
+    prompts: list[list[int]] = []
+    completions: list[list[int]] = []
+    for turn in range(3):
+        body: dict[str, Any] = {
+            "model": vision_stack.engine.served_model_name,
+            "messages": [dict(m) for m in messages],
+            "tools": TOOLS,
+            "max_tokens": 64 if turn == 0 else 8,
+            "extra_body": {"return_token_ids": True},
+        }
+        if turn == 0:  # random weights: the grammar makes the first reply a real tool call
+            body["tool_choice"] = {"type": "function", "function": {"name": "click"}}
+            # The engine's qwen3 reasoning parser would hold the grammar back until a </think>
+            # this Instruct template never opens.
+            body["extra_body"]["reasoning_ended"] = True
+        before = len(vision_stack.relay.exchanges)
+        message, prompt, sampled = ask(client, body, stream)
+        [exchange] = vision_stack.relay.exchanges[before:]
+        # The engine got one pad per image and every image so far, and reports the prompt the
+        # harness was told, with the images where tokenkeep placed them.
+        images_so_far = [first] if turn < 2 else [first, second, first]
+        assert [
+            base64.b64decode(p["url"].split(",", 1)[1]) for p in exchange.content_parts
+        ] == images_so_far
+        assert exchange.sent_prompt.count(vision.pad_id) == len(images_so_far)
+        assert exchange.reported_prompt == prompt
+        assert exchange.sampled[0] == sampled
+        sizes = [decode_image(i) for i in images_so_far]
+        want = [vision.spec.placeholders(i.width, i.height) for i in sizes]
+        assert [p["length"] for p in (exchange.mm_placeholders or {})["image"]] == want
+        if turn:
+            stored = prompts[-1] + completions[-1]
+            assert prompt[: len(stored)] == stored, f"turn {turn + 1} is not contiguous"
+        prompts.append(prompt)
+        completions.append(sampled)
+        messages.append(message)
+        if turn == 0:
+            [call] = message.get("tool_calls") or pytest.fail(f"no tool call: {message}")
+            messages.append({"role": "tool", "tool_call_id": call["id"], "content": "clicked"})
+        elif turn == 1:
+            messages.append(
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "Now:"},
+                        image_part(second),
+                        {"type": "text", "text": "Before:"},
+                        image_part(first),
+                    ],
+                }
+            )
+
+    summary = http.get(f"/sessions/{session_id}").json()
+    assert (summary["turns"], summary["segments"], summary["breaks"]) == (3, 1, {})
+    [branch] = http.get(f"/sessions/{session_id}/trajectory").json()["branches"]
+    [segment] = branch["segments"]
+    assert segment["token_ids"] == prompts[-1] + completions[-1]
+    assert sum(segment["loss_mask"]) == sum(map(len, completions))
+    pads = [i for i, t in enumerate(segment["token_ids"]) if t == vision.pad_id]
+    assert len(pads) == 1000 + 160 + 1000
+    assert all(segment["loss_mask"][i] == 0 for i in pads)
+
+
+def test_bad_images_are_refused_and_the_session_is_unchanged(vision_stack: RealStack) -> None:
+    http = vision_stack.http()
+    session = http.post("/sessions", json={"id": f"vl-{uuid.uuid4().hex}"}).json()
+    client = vision_stack.openai(session)
+    good = screenshot(64, 48, 1)
+    bmp = io.BytesIO()
+    Image.new("RGB", (8, 8)).save(bmp, "BMP")
+    cases = {
+        "cannot be decoded": good[:50],
+        "unsupported image format BMP": bmp.getvalue(),
+    }
+    for reason, data in cases.items():
+        with pytest.raises(openai.BadRequestError, match=reason):
+            client.chat.completions.create(
+                model=vision_stack.engine.served_model_name,
+                messages=[{"role": "user", "content": [image_part(data)]}],
+                max_tokens=4,
+            )
+    with pytest.raises(openai.BadRequestError, match="are not fetched"):
+        client.chat.completions.create(
+            model=vision_stack.engine.served_model_name,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}}
+                    ],
+                }
+            ],
+            max_tokens=4,
+        )
+    assert http.get(f"/sessions/{session['id']}").json()["turns"] == 0
