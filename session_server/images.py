@@ -126,6 +126,23 @@ def no_marks(text: str, param: str) -> str:
     return text
 
 
+def compose(pieces: list[str | ImageInput], separator: str) -> tuple[str, list[ImageInput]]:
+    """A message's content from its parts in order: texts joined by `separator` (as each
+    API joins adjacent text parts), an `IMAGE_MARK` where each image is."""
+    text: list[str] = []
+    images: list[ImageInput] = []
+    previous_text = False
+    for piece in pieces:
+        if isinstance(piece, str):
+            text.append((separator if previous_text else "") + piece)
+            previous_text = True
+        else:
+            images.append(piece)
+            text.append(IMAGE_MARK)
+            previous_text = False
+    return "".join(text), images
+
+
 def check_count(messages: list[Message]) -> None:
     count = sum(len(m.images) for m in messages)
     if count > MAX_IMAGES_PER_REQUEST:

@@ -21,14 +21,13 @@ from session_server.api.sse import (
     serve_turn,
 )
 from session_server.conversation import (
-    IMAGE_MARK,
     Conversation,
     ConversationError,
     Message,
     Tool,
     ToolCall,
 )
-from session_server.images import ImageInput, check_count, decode_data_url, no_marks
+from session_server.images import ImageInput, check_count, compose, decode_data_url, no_marks
 from session_server.results import (
     ChoiceDelta,
     ChoiceFinished,
@@ -130,8 +129,7 @@ def _content(
     param = f"messages[{index}].content"
     if isinstance(content, str):
         return no_marks(content, param), []
-    parts: list[str] = []
-    images: list[ImageInput] = []
+    pieces: list[str | ImageInput] = []
     for i, part in enumerate(content):
         if part.type == "image_url":
             if role not in ("user", "tool"):
@@ -142,16 +140,15 @@ def _content(
             url = source.get("url") if isinstance(source, dict) else source
             if not isinstance(url, str):
                 raise ConversationError("image_url needs a url", param=f"{param}[{i}]")
-            images.append(decode_data_url(url, param=f"{param}[{i}].image_url"))
-            parts.append(IMAGE_MARK)
+            pieces.append(decode_data_url(url, param=f"{param}[{i}].image_url"))
         elif part.type in ("text", "input_text", "output_text"):
-            parts.append(no_marks(part.text or "", param))
+            pieces.append(no_marks(part.text or "", param))
         else:
             raise ConversationError(
                 f"content part type {part.type!r} is not supported (text and image_url)",
                 param=param,
             )
-    return "".join(parts), images
+    return compose(pieces, "")
 
 
 def _arguments(value: str | dict[str, Any]) -> str:

@@ -219,3 +219,85 @@ def test_bad_images_are_refused_and_the_session_is_unchanged(vision_stack: RealS
             max_tokens=4,
         )
     assert http.get(f"/sessions/{session['id']}").json()["turns"] == 0
+
+
+def _contiguous(exchanges: list[Any], images: list[list[bytes]], vision: Any) -> None:
+    """Each prompt vLLM reports starts with the previous one + its sampled tokens, and the
+    engine got every image so far, placed as tokenkeep counts them."""
+    for k, exchange in enumerate(exchanges):
+        sent = [base64.b64decode(p["url"].split(",", 1)[1]) for p in exchange.content_parts]
+        assert sent == images[k]
+        want = [vision.spec.placeholders(*Image.open(io.BytesIO(i)).size) for i in images[k]]
+        got = (exchange.mm_placeholders or {}).get("image", [])
+        assert [p["length"] for p in got] == want
+        if k:
+            stored = exchanges[k - 1].reported_prompt + exchanges[k - 1].sampled[0]
+            assert exchange.reported_prompt[: len(stored)] == stored
+
+
+def test_anthropic_image_blocks(vision_stack: RealStack) -> None:
+    import anthropic
+
+    http = vision_stack.http()
+    session = http.post("/sessions", json={"sampling": {"seed": 3}}).json()
+    client = anthropic.Anthropic(
+        base_url=session["anthropic_base_url"], api_key=session["api_key"], max_retries=0
+    )
+    first, second = screenshot(200, 100, 30), screenshot(64, 48, 60)
+
+    def block(data: bytes) -> dict[str, Any]:
+        encoded = base64.b64encode(data).decode()
+        source = {"type": "base64", "media_type": "image/png", "data": encoded}
+        return {"type": "image", "source": source}
+
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": [{"type": "text", "text": "What is open?"}, block(first)]}
+    ]
+    before = len(vision_stack.relay.exchanges)
+    for turn in range(3):
+        reply = client.messages.create(
+            model=vision_stack.engine.served_model_name, max_tokens=8, messages=messages
+        )
+        messages.append({"role": "assistant", "content": [b.model_dump() for b in reply.content]})
+        follow = [{"type": "text", "text": "and now?"}]
+        if turn == 1:
+            follow = [block(second), {"type": "text", "text": "after the click"}, block(first)]
+        messages.append({"role": "user", "content": follow})
+    assert vision_stack.model.vision is not None
+    _contiguous(
+        vision_stack.relay.exchanges[before:],
+        [[first], [first], [first, second, first]],
+        vision_stack.model.vision,
+    )
+    summary = http.get(f"/sessions/{session['id']}").json()
+    assert (summary["turns"], summary["segments"]) == (3, 1)
+
+
+def test_responses_input_image(vision_stack: RealStack) -> None:
+    http = vision_stack.http()
+    session = http.post("/sessions", json={"sampling": {"seed": 4}}).json()
+    client = vision_stack.openai(session)
+    first = screenshot(333, 517, 90)
+    url = "data:image/png;base64," + base64.b64encode(first).decode()
+    items: list[dict[str, Any]] = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "input_text", "text": "Describe"},
+                {"type": "input_image", "image_url": url},
+            ],
+        }
+    ]
+    before = len(vision_stack.relay.exchanges)
+    for _ in range(2):
+        response = client.responses.create(
+            model=vision_stack.engine.served_model_name, input=items, max_output_tokens=8
+        )
+        items += [item.model_dump(exclude_none=True) for item in response.output]
+        items.append({"role": "user", "content": "go on"})
+    assert vision_stack.model.vision is not None
+    _contiguous(
+        vision_stack.relay.exchanges[before:], [[first], [first]], vision_stack.model.vision
+    )
+    summary = http.get(f"/sessions/{session['id']}").json()
+    assert (summary["turns"], summary["segments"]) == (2, 1)
