@@ -104,6 +104,12 @@ def decode_image(data: bytes, *, param: str | None = None) -> ImageInput:
     )
 
 
+def image_media_type(data: bytes) -> str:
+    """The media type of stored image bytes (checked when they came in)."""
+    with Image.open(io.BytesIO(data)) as image:
+        return SUPPORTED_FORMATS.get(image.format or "", "application/octet-stream")
+
+
 def decode_data_url(url: str, *, param: str | None = None) -> ImageInput:
     """An image from a `data:image/...;base64,...` URL. Remote URLs are refused: tokenkeep does
     not fetch (a rollout must not depend on what a server returns later)."""

@@ -715,6 +715,30 @@ class TurnService:
             return plan.prompt_ids, ()
         return collapse(plan.prompt_ids, runs), tuple(images)
 
+    async def _keep_images(self, plan: Plan, conversation: Conversation) -> list[dict[str, Any]]:
+        """Store the request's images (once per hash per session) and describe the ones this
+        turn's prompt delta added, offsets relative to the delta (the export shifts them)."""
+        vision = self.model.vision
+        images = [image for m in conversation.messages for image in m.images]
+        if vision is None or not images:
+            return []
+        await self.store.put_images(
+            plan.session.session_id, {image.sha256: image.data for image in images}
+        )
+        sizes = {image.sha256: (image.width, image.height) for image in images}
+        delta_start = len(plan.prompt_ids) - len(plan.prompt_delta)
+        return [
+            {
+                "sha256": run.sha256,
+                "offset": run.offset - delta_start,
+                "length": run.length,
+                "width": sizes[run.sha256][0],
+                "height": sizes[run.sha256][1],
+            }
+            for run in find_runs(plan.prompt_ids, images, vision)
+            if run.offset >= delta_start
+        ]
+
     def _check_proof(self, plan: Plan, reported: list[int] | None) -> None:
         if reported is not None and reported != plan.prompt_ids:
             self.metrics.proof_failures.inc()
@@ -734,6 +758,7 @@ class TurnService:
         response_id = response_id or uuid.uuid4().hex
         records: list[TurnRecord] = []
         keys: list[list[str]] = []
+        images = await self._keep_images(plan, conversation)
         for i, s in enumerate(sampled):
             if plan.lineage is not None:
                 reply_key = plan.lineage.reply_key(s.message)
@@ -765,7 +790,8 @@ class TurnService:
                     routed_experts=_routes_of(plan, s),
                     extra={"splice_ms": round(plan.splice_seconds * 1000, 3)}
                     | ({"reply_key": reply_key} if reply_key else {})
-                    | ({"volatile": plan.volatile} if plan.volatile else {}),
+                    | ({"volatile": plan.volatile} if plan.volatile else {})
+                    | ({"images": images} if images else {}),
                 )
             )
         try:

@@ -48,6 +48,7 @@ class _Session:
     tokens: int = 0
     breaks: dict[str, int] = field(default_factory=dict)
     finish: bytes | None = None
+    images: dict[str, bytes] = field(default_factory=dict)
 
     def touch(self, now: float) -> None:
         if self.ttl_seconds is not None:
@@ -137,6 +138,17 @@ class MemoryStore:
             return False
         del self._sessions[session_id]
         return True
+
+    async def put_images(self, session_id: str, images: dict[str, bytes]) -> None:
+        session = self._live(session_id)
+        if session is None:
+            raise SessionNotFound(session_id)
+        for sha256, data in images.items():
+            session.images.setdefault(sha256, data)
+
+    async def get_image(self, session_id: str, sha256: str) -> bytes | None:
+        session = self._live(session_id)
+        return None if session is None else session.images.get(sha256)
 
     async def lookup(
         self,

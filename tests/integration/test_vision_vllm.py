@@ -5,6 +5,7 @@ a new screenshot with the first one resent; streamed and not."""
 from __future__ import annotations
 
 import base64
+import hashlib
 import io
 import uuid
 from collections.abc import Iterator
@@ -185,6 +186,27 @@ def test_screenshot_tool_loop_is_token_exact(vision_stack: RealStack, stream: bo
     pads = [i for i, t in enumerate(segment["token_ids"]) if t == vision.pad_id]
     assert len(pads) == 1000 + 160 + 1000
     assert all(segment["loss_mask"][i] == 0 for i in pads)
+    # The trainer's view: each turn lists the images its prompt added, in segment coordinates,
+    # and the bytes come back by hash.
+    listed = [
+        [(i["sha256"], i["length"], i["width"], i["height"]) for i in turn.get("images", [])]
+        for turn in segment["turns"]
+    ]
+    sha = {data: hashlib.sha256(data).hexdigest() for data in (first, second)}
+    assert listed == [
+        [(sha[first], 1000, 1280, 800)],
+        [],
+        [(sha[second], 160, 333, 517), (sha[first], 1000, 1280, 800)],
+    ]
+    for turn in segment["turns"]:
+        for entry in turn.get("images", []):
+            run = segment["token_ids"][entry["offset"] - 1 : entry["offset"] + entry["length"] + 1]
+            assert run == [vision.start_id, *[vision.pad_id] * entry["length"], vision.end_id]
+    for data in (first, second):
+        fetched = http.get(f"/sessions/{session_id}/images/{sha[data]}")
+        assert (fetched.status_code, fetched.content) == (200, data)
+        assert fetched.headers["content-type"] == "image/png"
+    assert http.get(f"/sessions/{session_id}/images/{'0' * 64}").status_code == 404
 
 
 def test_bad_images_are_refused_and_the_session_is_unchanged(vision_stack: RealStack) -> None:
