@@ -110,6 +110,16 @@ def image_media_type(data: bytes) -> str:
         return SUPPORTED_FORMATS.get(image.format or "", "application/octet-stream")
 
 
+def thumbnail_data_url(data: bytes, max_side: int = 96) -> str:
+    """A small JPEG of stored image bytes, as a data: URL (the viewer's thumbnail)."""
+    with Image.open(io.BytesIO(data)) as image:
+        small = image.convert("RGB")
+        small.thumbnail((max_side, max_side))
+    buffer = io.BytesIO()
+    small.save(buffer, "JPEG", quality=80)
+    return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
 def decode_data_url(url: str, *, param: str | None = None) -> ImageInput:
     """An image from a `data:image/...;base64,...` URL. Remote URLs are refused: tokenkeep does
     not fetch (a rollout must not depend on what a server returns later)."""

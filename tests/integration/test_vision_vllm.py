@@ -207,6 +207,13 @@ def test_screenshot_tool_loop_is_token_exact(vision_stack: RealStack, stream: bo
         assert (fetched.status_code, fetched.content) == (200, data)
         assert fetched.headers["content-type"] == "image/png"
     assert http.get(f"/sessions/{session_id}/images/{'0' * 64}").status_code == 404
+    # The viewer draws each placeholder run as one block with a thumbnail of the image.
+    [view] = http.get(f"/ui/api/sessions/{session_id}").json()["branches"][0]["segments"]
+    drawn = [(i["sha256"], i["length"]) for i in view["images"]]
+    assert drawn == [(sha[first], 1000), (sha[second], 160), (sha[first], 1000)]
+    thumbnail = view["images"][0]["thumbnail"]
+    assert thumbnail.startswith("data:image/jpeg;base64,")
+    assert Image.open(io.BytesIO(base64.b64decode(thumbnail.split(",", 1)[1]))).size == (96, 60)
 
 
 def test_bad_images_are_refused_and_the_session_is_unchanged(vision_stack: RealStack) -> None:
