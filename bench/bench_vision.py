@@ -52,12 +52,16 @@ def timed(client: httpx.Client, body: dict[str, object]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--url", help="a running tiny-qwen3-vl engine (default: start one)")
     args = parser.parse_args()
-    engine = localengine.start(localengine.VISION_MODEL_NAME)
+    name = localengine.VISION_MODEL_NAME
+    engine = None if args.url else localengine.start(name)
+    url = args.url or engine.url  # type: ignore[union-attr]
+    served = localengine.served_name(name)
     rows = []
     try:
-        model = ChatModel(load_tokenizer(str(engine.model_dir)))
-        client = httpx.Client(base_url=engine.url, timeout=600)
+        model = ChatModel(load_tokenizer(str(localengine.build_model(name))))
+        client = httpx.Client(base_url=url, timeout=600)
         params = {"max_tokens": 1, "temperature": 0}
         for width, height in SIZES:
             data = noisy_png(width, height)
@@ -70,13 +74,13 @@ def main() -> None:
             )
             text_ids, _ = model.render_prompt_runs([Message("user", "describe")], [])
             with_image = {
-                "model": engine.served_model_name,
+                "model": served,
                 "token_ids": collapse(ids, runs),
                 "content_parts": parts,
                 "sampling_params": params,
             }
             text_only = {
-                "model": engine.served_model_name,
+                "model": served,
                 "token_ids": text_ids,
                 "sampling_params": params,
             }
@@ -102,7 +106,8 @@ def main() -> None:
             )
             print(rows[-1], flush=True)
     finally:
-        engine.stop()
+        if engine is not None:
+            engine.stop()
     load = os.getloadavg()
     lines = [
         "# Images: placeholder counts and added latency (tiny-qwen3-vl, vLLM CPU 0.32)",

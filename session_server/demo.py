@@ -273,8 +273,13 @@ def drive_vision(base_url: str, *, seed: int | None = None, steps: int = 3) -> d
         info = (reply.model_extra or {}).get("tokenkeep", {})
         sent: dict[str, Any] = {"role": "assistant", "content": message.content}
         calls = message.tool_calls or []
+        # Random weights fill the call with whatever whitespace the grammar allows: shown and
+        # reported back compactly.
+        points = [
+            json.dumps(json.loads(c.function.arguments), separators=(",", ":")) for c in calls
+        ]
         shown = (
-            ", ".join(f"{c.function.name}({c.function.arguments})" for c in calls)
+            ", ".join(f"click({point})" for point in points)
             if calls
             else repr((message.content or "")[:60])
         )
@@ -288,14 +293,14 @@ def drive_vision(base_url: str, *, seed: int | None = None, steps: int = 3) -> d
             flush=True,
         )
         messages.append(sent)
-        for call in calls:
+        for call, point in zip(calls, points, strict=True):
             tool_calls += 1
             messages.append(
                 {
                     "role": "tool",
                     "tool_call_id": call.id,
                     "content": [
-                        {"type": "text", "text": f"clicked {call.function.arguments}"},
+                        {"type": "text", "text": f"clicked {point}"},
                         {"type": "image_url", "image_url": {"url": screenshot(step + 1)}},
                     ],
                 }

@@ -65,12 +65,30 @@ class ImageInput:
         return f"data:{self.mime};base64,{base64.b64encode(self.data).decode('ascii')}"
 
 
+# Harnesses resend every screenshot of the history on every turn: bytes already checked are
+# known by their hash and not decoded again (bounded; oldest forgotten first).
+_KNOWN_IMAGES: dict[str, tuple[str, int, int]] = {}
+_KNOWN_MAX = 1024
+
+
 def decode_image(data: bytes, *, param: str | None = None) -> ImageInput:
     """Check and describe image bytes: a supported format that decodes, within the limits."""
     if len(data) > MAX_IMAGE_BYTES:
         raise ImageTooLarge(
             f"image is {len(data)} bytes; at most {MAX_IMAGE_BYTES} bytes", param=param
         )
+    sha256 = hashlib.sha256(data).hexdigest()
+    known = _KNOWN_IMAGES.get(sha256)
+    if known is None:
+        known = _check(data, param)
+        if len(_KNOWN_IMAGES) >= _KNOWN_MAX:
+            _KNOWN_IMAGES.pop(next(iter(_KNOWN_IMAGES)))
+        _KNOWN_IMAGES[sha256] = known
+    mime, width, height = known
+    return ImageInput(data=data, mime=mime, width=width, height=height, sha256=sha256)
+
+
+def _check(data: bytes, param: str | None) -> tuple[str, int, int]:
     try:
         with Image.open(io.BytesIO(data)) as image:
             fmt = image.format or ""
@@ -95,13 +113,7 @@ def decode_image(data: bytes, *, param: str | None = None) -> ImageInput:
             f"image is {width}x{height}; the aspect ratio must be under {MAX_ASPECT_RATIO}",
             param=param,
         )
-    return ImageInput(
-        data=data,
-        mime=SUPPORTED_FORMATS[fmt],
-        width=width,
-        height=height,
-        sha256=hashlib.sha256(data).hexdigest(),
-    )
+    return SUPPORTED_FORMATS[fmt], width, height
 
 
 def image_media_type(data: bytes) -> str:

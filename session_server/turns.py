@@ -716,27 +716,31 @@ class TurnService:
         return collapse(plan.prompt_ids, runs), tuple(images)
 
     async def _keep_images(self, plan: Plan, conversation: Conversation) -> list[dict[str, Any]]:
-        """Store the request's images (once per hash per session) and describe the ones this
-        turn's prompt delta added, offsets relative to the delta (the export shifts them)."""
+        """Store the images this turn's prompt delta added (once per hash per session; the
+        earlier ones were stored by the turns that added them) and describe them, offsets
+        relative to the delta (the export shifts them into segment coordinates)."""
         vision = self.model.vision
-        images = [image for m in conversation.messages for image in m.images]
+        images = {image.sha256: image for m in conversation.messages for image in m.images}
         if vision is None or not images:
             return []
-        await self.store.put_images(
-            plan.session.session_id, {image.sha256: image.data for image in images}
-        )
-        sizes = {image.sha256: (image.width, image.height) for image in images}
         delta_start = len(plan.prompt_ids) - len(plan.prompt_delta)
+        runs = find_runs(
+            plan.prompt_ids, [i for m in conversation.messages for i in m.images], vision
+        )
+        added = [run for run in runs if run.offset >= delta_start]
+        # Called with no new image too: the Redis store refreshes the images' time to live.
+        await self.store.put_images(
+            plan.session.session_id, {run.sha256: images[run.sha256].data for run in added}
+        )
         return [
             {
                 "sha256": run.sha256,
                 "offset": run.offset - delta_start,
                 "length": run.length,
-                "width": sizes[run.sha256][0],
-                "height": sizes[run.sha256][1],
+                "width": images[run.sha256].width,
+                "height": images[run.sha256].height,
             }
-            for run in find_runs(plan.prompt_ids, images, vision)
-            if run.offset >= delta_start
+            for run in added
         ]
 
     def _check_proof(self, plan: Plan, reported: list[int] | None) -> None:

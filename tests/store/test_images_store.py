@@ -18,6 +18,7 @@ async def test_images_once_per_hash_and_gone_with_the_session(store: SessionStor
     assert await store.get_image("s", "aa") == b"first"
     assert await store.get_image("s", "bb") == b"second"
     assert await store.get_image("s", "cc") is None
+    await store.put_images("s", {})  # a turn that adds no image (Redis: refreshes the TTL)
     assert await store.delete_session("s")
     assert await store.get_image("s", "aa") is None
 
