@@ -116,8 +116,10 @@ def main() -> None:
         f"machine shared with other work (load average {load[0]:.1f} / {load[1]:.1f} / "
         f"{load[2]:.1f} at the end): compare within a row. One sampled token; medians.",
         "*text only*: the same prompt without the image; *image*: with it, the image known to "
-        "vLLM's processor cache (same uuid); *image, new uuid*: processed again. *tokenkeep*: "
-        "decode + SHA-256 + placeholder count + data URL, in-process.",
+        "vLLM's processor cache (same uuid; the prompt's KV blocks may be cached too, as the "
+        "earlier images of a rollout are); *image, new uuid*: processed and prefilled again (a "
+        "new screenshot). *tokenkeep*: decode + SHA-256 + placeholder count + data URL on "
+        "first sight (noise images: large PNGs); a resent image is only hashed.",
         "",
         "| image | placeholders | PNG bytes | tokenkeep ms | text only ms | image ms "
         "| image, new uuid ms |",
