@@ -39,6 +39,7 @@ import httpx
 
 from session_server import __version__
 from session_server.engines import EngineChoice, Generation, GenerationDelta, StreamStart
+from session_server.images import ImageInput
 from session_server.settings import Settings
 from session_server.splice import GENERIC, ChatModel
 
@@ -365,7 +366,9 @@ class ScriptedEngine:
         sampling: dict[str, Any],
         *,
         reasoning_ended: bool | None = None,
+        images: tuple[ImageInput, ...] = (),
     ) -> Generation:
+        # `images`: the check's scenarios carry none (the engine would expand them).
         c = self._next(prompt_ids)
         choice = EngineChoice(
             0, list(c.token_ids), [-0.1] * len(c.token_ids), c.finish_reason, None
@@ -379,6 +382,7 @@ class ScriptedEngine:
         sampling: dict[str, Any],
         *,
         reasoning_ended: bool | None = None,
+        images: tuple[ImageInput, ...] = (),
     ) -> AsyncIterator[StreamStart | GenerationDelta]:
         c = self._next(prompt_ids)
         yield StreamStart(self.url, list(prompt_ids))

@@ -334,3 +334,13 @@ def test_multi_turn_screenshots_stay_token_exact(
     assert [r.sha256 for r in runs] == [first.sha256, second.sha256, first.sha256]
     for run in runs:  # placeholders are prompt (loss mask 0), never sampled
         assert all(run.offset + run.length <= s or run.offset >= e for s, e in sampled_spans)
+
+
+def test_check_passes_on_the_qwen3_vl_template(vl_tokenizer_dir: Path) -> None:
+    """`tokenkeep check` (text scenarios: the check drives no images yet) on the VL template:
+    every run token-exact where a naive re-render breaks each."""
+    from tests.test_check import assert_contiguous, run_cli
+
+    report = assert_contiguous(run_cli("--tokenizer", str(vl_tokenizer_dir), "--json"), "generic")
+    assert len(report["scenarios"]) == 36
+    assert not any(row["naive_contiguous"] for row in report["scenarios"])
