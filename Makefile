@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-integration engine browser lint venv k8s-deps
+.PHONY: demo train test test-integration engine browser lint venv k8s-deps
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,6 +17,11 @@ venv: $(STAMP)
 
 demo: $(STAMP)
 	$(VENV)/bin/tokenkeep demo
+
+# The GRPO loop through tokenkeep (docs/trainer.md). Its learner runs in the engine's
+# virtualenv, which `engine` installs with vLLM's CPU torch: nothing more to install.
+train: $(STAMP) engine
+	$(VENV)/bin/tokenkeep demo --train
 
 # The real vLLM CPU engine for the `vllm` tier: installed here, not inside a pytest fixture,
 # so the first (several-minute) install shows its progress. Cached; TOKENKEEP_SKIP_VLLM=1 skips.

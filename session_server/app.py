@@ -69,6 +69,7 @@ def build_service(
         create_on_first_use=settings.create_sessions_on_first_use,
         default_ttl_seconds=settings.session_ttl_seconds,
         routed_experts=settings.routed_experts,
+        max_policy_lag=settings.max_policy_lag,
         sampling_overrides=settings.sampling_overrides,
         generation_defaults=generation_defaults(settings.tokenizer) if settings.tokenizer else {},
     )

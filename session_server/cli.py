@@ -57,6 +57,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
             int,
             "acknowledge a turn once N Redis replicas hold it (TOKENKEEP_REDIS_WAIT_REPLICAS)",
         ),
+        (
+            "--max-policy-lag",
+            int,
+            "refuse a turn (409) once the engine's version exceeds the rollout's first turn's "
+            "by more than K (TOKENKEEP_MAX_POLICY_LAG)",
+        ),
     )
     for flag, kind, help_text in limits:
         p.add_argument(flag, type=kind, help=help_text)

@@ -100,6 +100,16 @@ class Conversation:
     return_token_ids: bool | None = None
     """The request's own choice of token IDs in the reply (None: the session's, then the
     API's default)."""
+    idempotency: Idempotency | None = None
+    """The request's `Idempotency-Key` and a fingerprint of its body (None: no key)."""
+
+
+@dataclass(slots=True, frozen=True)
+class Idempotency:
+    key: str
+    """The `Idempotency-Key` header (1-255 bytes), scoped to the session."""
+    fingerprint: str
+    """SHA-256 of the request body: the same key with another body is refused."""
 
 
 class ConversationError(ValueError):

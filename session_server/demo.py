@@ -26,7 +26,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from session_server import localengine
+from session_server import localengine, train
 
 CITIES = ("Paris", "Tokyo", "Lima")
 TOOLS: list[dict[str, Any]] = [
@@ -94,7 +94,7 @@ def _progress(line: str) -> None:
 
 @contextmanager
 def _session_server(
-    engine: localengine.LocalEngine, redis_url: str | None, port: int
+    engine_url: str, model: str, model_dir: Path, redis_url: str | None, port: int
 ) -> Iterator[str]:
     """The session server on a loopback port, in a thread of this process."""
     import uvicorn
@@ -103,10 +103,10 @@ def _session_server(
     from session_server.settings import Settings
 
     settings = Settings(
-        engine_urls=[engine.url],
-        model=engine.served_model_name,
-        tokenizer=str(engine.model_dir),
-        context_length=engine.max_model_len,
+        engine_urls=[engine_url],
+        model=model,
+        tokenizer=str(model_dir),
+        context_length=localengine.DEFAULT_MAX_MODEL_LEN,
         redis_url=redis_url,
     )
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -345,7 +345,10 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="leave the stack up afterwards for your own harness (Ctrl-C stops it)",
     )
+    train.add_arguments(parser)
     args = parser.parse_args(argv)
+    if args.train:
+        return train.main(args)
     started = time.monotonic()
     _progress("[demo] setting up the engine (first run: a few minutes; cached afterwards)")
     try:
@@ -355,7 +358,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 1
     try:
-        with _session_server(engine, args.redis_url, args.port) as url:
+        with _session_server(
+            engine.url, engine.served_model_name, engine.model_dir, args.redis_url, args.port
+        ) as url:
             store = args.redis_url or "embedded store"
             print(f"\nsession server {url} ({store}) -> vLLM {engine.url}", flush=True)
             if args.vision:

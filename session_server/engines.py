@@ -73,6 +73,9 @@ class Generation:
     choices: list[EngineChoice]
     engine_url: str
     latency_s: float
+    cached_tokens: int | None = None
+    """Prompt tokens the engine's prefix cache served (vLLM with
+    --enable-prompt-tokens-details; None: not reported)."""
 
 
 @dataclass(slots=True)
@@ -95,6 +98,8 @@ class GenerationDelta:
     """The whole completion's spans (vLLM sends them with the choice's last chunk)."""
     routed_experts: np.ndarray | None = None
     """(positions, layers, top_k), in the choice's last chunk (MoE routing replay)."""
+    cached_tokens: int | None = None
+    """Prompt tokens served by the prefix cache, from the stream's usage chunk (no tokens)."""
 
 
 StreamEvent = StreamStart | GenerationDelta
@@ -559,6 +564,8 @@ class EngineClient:
                 "return_token_ids": True,
                 "stream": call.stream,
             }
+            if call.stream:  # the last chunk then reports the prefix-cache hits
+                body["stream_options"] = {"include_usage": True}
             if call.reasoning_ended is not None:
                 body["reasoning_ended"] = call.reasoning_ended
             if call.images:
@@ -790,7 +797,13 @@ def _parse_generate(payload: dict[str, Any], url: str) -> Generation:
         for c in payload.get("choices", ())
     ]
     choices.sort(key=lambda c: c.index)
-    return Generation(payload.get("prompt_token_ids"), choices, url, 0.0)
+    return Generation(payload.get("prompt_token_ids"), choices, url, 0.0, _cached_tokens(payload))
+
+
+def _cached_tokens(payload: dict[str, Any]) -> int | None:
+    details = (payload.get("usage") or {}).get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens")
+    return cached if isinstance(cached, int) else None
 
 
 def _parse_completions(payload: dict[str, Any], url: str) -> Generation:
@@ -807,12 +820,17 @@ def _parse_completions(payload: dict[str, Any], url: str) -> Generation:
     ]
     choices.sort(key=lambda c: c.index)
     prompt_ids = next((c["prompt_token_ids"] for c in raw if c.get("prompt_token_ids")), None)
-    return Generation(prompt_ids, choices, url, 0.0)
+    return Generation(prompt_ids, choices, url, 0.0, _cached_tokens(payload))
 
 
 def _deltas_from_generate_chunk(
     chunk: dict[str, Any],
 ) -> tuple[list[int] | None, list[GenerationDelta]]:
+    cached = _cached_tokens(chunk)
+    if cached is not None:  # the usage chunk (no choices)
+        return chunk.get("prompt_token_ids"), [
+            GenerationDelta(0, [], [], None, None, cached_tokens=cached)
+        ]
     return chunk.get("prompt_token_ids"), [
         GenerationDelta(
             index=c["index"],

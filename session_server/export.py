@@ -60,6 +60,27 @@ def _sampled_versions(turn: TurnRecord) -> list[str | None]:
     return versions
 
 
+def stale_cache(
+    earlier: list[TurnRecord], cached_tokens: int | None, spans: list[WeightSpan]
+) -> bool:
+    """Whether a turn sampled under the versions `spans`, whose first `cached_tokens` prompt
+    positions the engine served from its prefix cache, may have reused positions computed
+    under another policy: an earlier turn of its segment (`earlier`, in order) that starts
+    inside the cached prefix was sampled under a different version. vLLM does not say which
+    version computed a block, so this is tracked from the stored turns."""
+    if not cached_tokens or not spans:
+        return False
+    version = spans[0].version
+    start = 0
+    for turn in earlier:
+        if start >= cached_tokens:
+            break
+        if any(span.version != version for span in turn.weight_versions):
+            return True
+        start += len(turn.prompt_delta) + len(turn.completion_ids)
+    return False
+
+
 def encode_routes(experts: np.ndarray) -> str:
     with io.BytesIO() as buffer:
         np.save(buffer, experts, allow_pickle=False)
@@ -134,6 +155,7 @@ def segments(path: list[TurnRecord], staleness: Staleness | None = None) -> list
             if staleness is not None:
                 current["stale_tokens"] = 0
             out.append(current)
+        earlier = list(members[-1])
         members[-1].append(turn)
         tokens = current["token_ids"]
         prompt_start = len(tokens)
@@ -178,6 +200,7 @@ def segments(path: list[TurnRecord], staleness: Staleness | None = None) -> list
                 "stop_reason": turn.stop_reason,
                 "weight_versions": spans,
             }
+            | _cache_facts(earlier, turn)
             | ({"stale_tokens": stale} if staleness is not None else {})
             | ({"volatile": turn.extra["volatile"]} if "volatile" in turn.extra else {})
             | (
@@ -193,11 +216,32 @@ def segments(path: list[TurnRecord], staleness: Staleness | None = None) -> list
     return out
 
 
+Branches = Literal["all", "last"]
+"""Which branches an export holds: every root-to-leaf path, or only the path to the most
+recently stored turn (one leaf per rollout: the retries and forks before it left out)."""
+
+
+def _cache_facts(earlier: list[TurnRecord], turn: TurnRecord) -> dict[str, Any]:
+    cached = turn.extra.get("cached_tokens")
+    return {
+        "cached_tokens": cached,
+        "stale_cache": stale_cache(earlier, cached, turn.weight_versions),
+    }
+
+
 def trajectory(
-    session_id: str, turns: list[TurnRecord], staleness: Staleness | None = None
+    session_id: str,
+    turns: list[TurnRecord],
+    staleness: Staleness | None = None,
+    which: Branches = "all",
 ) -> dict[str, Any]:
     exported = []
-    for path in branches(turns):
+    paths = branches(turns)
+    if which == "last" and paths:
+        # Children are stored after their parents, so the newest turn is always a leaf.
+        newest = max(turn.turn_id for turn in turns)
+        paths = [path for path in paths if path[-1].turn_id == newest]
+    for path in paths:
         kept = segments(path, staleness)
         if kept or staleness is None or staleness.action != "drop":
             exported.append(
@@ -211,11 +255,13 @@ def rows(
     finish: Finish | None,
     turns: list[TurnRecord],
     staleness: Staleness | None = None,
+    which: Branches = "all",
 ) -> list[dict[str, Any]]:
-    """One flat row per segment of every branch: what the batch export writes (JSONL lines,
-    Parquet rows). The session's and the finish's facts repeat on each of its rows."""
+    """One flat row per segment of every branch (or of the last one): what the batch export
+    writes (JSONL lines, Parquet rows). The session's and the finish's facts repeat on each
+    of its rows."""
     out: list[dict[str, Any]] = []
-    for branch in trajectory(meta.session_id, turns, staleness)["branches"]:
+    for branch in trajectory(meta.session_id, turns, staleness, which)["branches"]:
         for segment in branch["segments"]:
             out.append(
                 {
@@ -233,6 +279,9 @@ def rows(
                     "stale_tokens": segment.get("stale_tokens", 0),
                     "routed_experts": segment["routed_experts"],
                     "reward": finish.reward if finish else None,
+                    "status": finish.status if finish else None,
+                    "group": meta.group,
+                    "group_size": meta.group_size,
                     "finished_at": finish.finished_at if finish else None,
                     "metadata": meta.metadata,
                     "finish_metadata": finish.metadata if finish else {},
@@ -259,7 +308,27 @@ def summary(session_id: str, turns: list[TurnRecord]) -> dict[str, Any]:
         "tokens": sum(len(t.prompt_delta) + len(t.completion_ids) for t in turns),
         "sampled_tokens": sum(len(t.completion_ids) for t in turns),
         "turns_by_weight_version": turns_by_version(turns),
+        "prefix_cache_hit_ratio": prefix_cache_hit_ratio(paths),
     }
+
+
+def prefix_cache_hit_ratio(paths: list[list[TurnRecord]]) -> float | None:
+    """Cached prompt tokens / prompt tokens over the turns whose engine reported its prefix
+    cache (None: none did)."""
+    prompt = cached = 0
+    seen: set[int] = set()
+    for path in paths:
+        length = 0
+        for turn in path:
+            if turn.segment_start:
+                length = 0
+            length += len(turn.prompt_delta)
+            if turn.turn_id not in seen and "cached_tokens" in turn.extra:
+                seen.add(turn.turn_id)
+                prompt += length
+                cached += int(turn.extra["cached_tokens"])
+            length += len(turn.completion_ids)
+    return round(cached / prompt, 4) if prompt else None
 
 
 def turns_by_version(turns: list[TurnRecord]) -> dict[str, int]:

@@ -611,12 +611,31 @@ class LocalEngine:
         self.stop()
 
 
+WORKER_EXTENSION = "tokenkeep_vllm_worker.TiedReload"
+
+
+def _worker_extension_dir() -> Path:
+    """A directory holding only session_server/vllm_worker.py, as a top-level module the
+    engine's workers import (tokenkeep's own packages must not shadow the engine's)."""
+    ext_dir = engine_dir() / "worker-extension"
+    ext_dir.mkdir(parents=True, exist_ok=True)
+    source = Path(__file__).with_name("vllm_worker.py").read_bytes()
+    target = ext_dir / "tokenkeep_vllm_worker.py"
+    if not target.exists() or target.read_bytes() != source:
+        tmp = target.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(source)
+        tmp.replace(target)
+    return ext_dir
+
+
 def _engine_env(kv_cache_gib: int, threads: int, dev_mode: bool = False) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "CUDA_"))}
     if dev_mode:
         # vLLM's development endpoints, among them POST /update_weight_version and
-        # GET /weight_info (policy versions); never on an engine others can reach.
+        # GET /weight_info (policy versions), /collective_rpc (weight reloads through the
+        # worker extension); never on an engine others can reach.
         env["VLLM_SERVER_DEV_MODE"] = "1"
+        env["PYTHONPATH"] = str(_worker_extension_dir())
     env.update(
         VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib),
         OMP_NUM_THREADS=str(threads),
@@ -645,7 +664,8 @@ def start(
 ) -> LocalEngine:
     """Start vLLM on the CPU (token endpoints on) and wait until `/health` answers. `model` is
     a name from MODELS (built on first use) or a model directory. `dev_mode` sets
-    VLLM_SERVER_DEV_MODE=1 (the engine binds 127.0.0.1 only)."""
+    VLLM_SERVER_DEV_MODE=1 (the engine binds 127.0.0.1 only) and adds the worker extension
+    of session_server/vllm_worker.py (`reload_weights_tied`)."""
     if isinstance(model, Path):
         model_path, served_model_name = model, served_model_name or model.name
     else:
@@ -673,11 +693,14 @@ def start(
         str(max_model_len),
         "--enforce-eager",
         "--enable-scale-out",
+        # usage.prompt_tokens_details.cached_tokens: the prefix-cache hits tokenkeep records.
+        "--enable-prompt-tokens-details",
         "--enable-auto-tool-choice",
         "--tool-call-parser",
         "hermes",
         "--reasoning-parser",
         "qwen3",
+        *(["--worker-extension-cls", WORKER_EXTENSION] if dev_mode else []),
         *extra_args,
     ]
     started = time.monotonic()

@@ -74,12 +74,47 @@ class Metrics:
         self.rejections = Counter(
             "tokenkeep_rejected_requests",
             "Generation requests refused before running, by reason "
-            "(queue_full, queue_timeout, draining).",
+            "(queue_full, queue_timeout, draining, policy_lag).",
             ["reason"],
             registry=r,
         )
-        for reason in ("queue_full", "queue_timeout", "draining"):
+        for reason in ("queue_full", "queue_timeout", "draining", "policy_lag"):
             self.rejections.labels(reason=reason)  # a series from the start, at 0
+        self.retry_races = Counter(
+            "tokenkeep_retry_races",
+            "Turns stored as retries because an identical request stored its turns while this "
+            "one generated (concurrent resends; without this they would be second roots).",
+            registry=r,
+        )
+        self.idempotent_replays = Counter(
+            "tokenkeep_idempotent_replays",
+            "Requests answered with the reply stored under their Idempotency-Key (no "
+            "engine call, no new turn).",
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "tokenkeep_prompt_tokens",
+            "Prompt tokens of turns whose engine reported prefix-cache hits (the hit ratio is "
+            "tokenkeep_cached_prompt_tokens_total / tokenkeep_prompt_tokens_total).",
+            registry=r,
+        )
+        self.cached_prompt_tokens = Counter(
+            "tokenkeep_cached_prompt_tokens",
+            "Prompt tokens the engine served from its prefix cache (vLLM "
+            "--enable-prompt-tokens-details).",
+            registry=r,
+        )
+        self.stale_cache_turns = Counter(
+            "tokenkeep_stale_cache_turns",
+            "Turns whose cached prefix holds positions of earlier turns sampled under another "
+            "policy version than this turn's (KV computed by an older policy may be reused).",
+            registry=r,
+        )
+        self.aborted_requests = Counter(
+            "tokenkeep_aborted_requests",
+            "Generations cut by POST /sessions/{id}/abort.",
+            registry=r,
+        )
         self.generic_splice = Gauge(
             "tokenkeep_generic_splice_families",
             "Served model families on the generic end-of-turn splice (no hand-written "

@@ -52,6 +52,9 @@ class Settings(BaseSettings):
     """Max model length; default: asked from the engine, else the tokenizer's."""
     session_ttl_seconds: int | None = 86400
     create_sessions_on_first_use: bool = True
+    max_policy_lag: int | None = Field(default=None, ge=0)
+    """Refuse a new turn (409) once the engine's policy version exceeds the version that
+    sampled the rollout's first turn by more than this (numeric versions; None = off)."""
     routed_experts: bool = False
     """MoE routing replay for every session that does not say otherwise
     (TOKENKEEP_ROUTED_EXPERTS; the engine needs --enable-return-routed-experts)."""

@@ -19,6 +19,7 @@ a request that fails stores nothing.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import itertools
@@ -30,7 +31,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn, TypeVar
 
 import numpy as np
 
@@ -47,7 +48,7 @@ from session_server.conversation import (
     validate,
 )
 from session_server.engines import EngineClient, GenerationDelta
-from session_server.export import turns_by_version
+from session_server.export import stale_cache, turns_by_version, version_number
 from session_server.images import ImageInput, collapse, find_runs
 from session_server.metrics import Metrics
 from session_server.results import (
@@ -62,6 +63,8 @@ from session_server.results import (
 from session_server.sampling import build_sampling
 from session_server.splice import BRIDGE_CONTEXT_TOKENS, ChatModel
 from session_server.store.base import (
+    IDEMPOTENCY_DONE,
+    KeyTaken,
     LookupResult,
     RecordCache,
     RoutedExperts,
@@ -75,7 +78,10 @@ from session_server.store.base import (
 from session_server.streaming import ReplyStreamer
 
 RESPONSE_KEY_PREFIX = "resp:"
+ABORT_WAIT_S = 10.0
+"""How long `abort` waits for the cut requests to store their turns and answer."""
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class SessionMissing(LookupError):
@@ -84,6 +90,100 @@ class SessionMissing(LookupError):
 
 class ProofFailed(RuntimeError):
     """The engine reports a prompt other than the one tokenkeep sent (502)."""
+
+
+class Refused(RuntimeError):
+    """A request the core refuses as it stands, nothing stored: `status` (409, 422...),
+    `kind` (the error type), `retry_after_s` when trying again later can succeed."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        kind: str,
+        param: str | None = None,
+        retry_after_s: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.kind = kind
+        self.param = param
+        self.retry_after_s = retry_after_s
+
+
+class Aborted(Refused):
+    """The request's generation was cut by `POST /sessions/{id}/abort` (its cut turn is
+    stored with finish_reason "abort"). 400: an SDK does not resend it by itself."""
+
+    def __init__(self, session_id: str) -> None:
+        super().__init__(
+            400,
+            f"generation aborted by POST /sessions/{session_id}/abort; the cut turn is stored "
+            "with finish_reason abort and the session stays usable",
+            kind="aborted",
+        )
+
+
+class _Cut(Exception):
+    """Internal: a flight was aborted while it waited for the engine."""
+
+
+class _Flight:
+    """One generation of a session in flight here, which `abort` can cut: it cancels the
+    task waiting for the engine (which closes the engine connection: vLLM then aborts the
+    request) and that task resumes as if uncancelled, raising `_Cut`. A flight that is not
+    waiting for the engine at that moment (handing a chunk to its client) stops before it
+    waits again; cancellation never lands outside the engine wait."""
+
+    __slots__ = ("aborted", "done", "task", "waiting")
+
+    def __init__(self) -> None:
+        self.task: asyncio.Task[Any] | None = None
+        self.waiting = False
+        self.aborted = False
+        self.done = asyncio.Event()
+
+    def abort(self) -> None:
+        self.aborted = True
+        if self.waiting and self.task is not None:
+            self.task.cancel()
+
+    def _resumed(self) -> bool:
+        """After a CancelledError: whether it was this flight's abort (then absorbed)."""
+        return self.aborted and self.task is not None and self.task.uncancel() == 0
+
+    async def run(self, awaitable: Awaitable[T]) -> T:
+        if self.aborted:
+            raise _Cut
+        self.task = asyncio.current_task()
+        self.waiting = True
+        try:
+            return await awaitable
+        except asyncio.CancelledError:
+            if self._resumed():
+                raise _Cut from None
+            raise
+        finally:
+            self.waiting = False
+
+    async def events(self, events: AsyncIterator[T]) -> AsyncIterator[T]:
+        while True:
+            if self.aborted:
+                raise _Cut
+            self.task = asyncio.current_task()
+            self.waiting = True
+            try:
+                event = await anext(events)
+            except StopAsyncIteration:
+                return
+            except asyncio.CancelledError:
+                if self._resumed():
+                    raise _Cut from None
+                raise
+            finally:
+                self.waiting = False
+            yield event
 
 
 @dataclass(slots=True)
@@ -104,6 +204,9 @@ class Plan:
     splice_seconds: float
     volatile: list[str] = field(default_factory=list)
     """Text the session's normalisation rules ignored in this request (recorded)."""
+    earlier: list[TurnRecord] = field(default_factory=list)
+    """The turns of this turn's segment before it (whose positions the engine may serve from
+    its prefix cache: `stale_cache`)."""
 
     @property
     def route_start(self) -> int:
@@ -125,9 +228,16 @@ class ServiceConfig:
     default_ttl_seconds: int | None = 86400
     routed_experts: bool = False
     """Sessions store MoE routes unless created saying otherwise."""
+    max_policy_lag: int | None = None
+    """A new turn is refused once the engine's version exceeds the version that sampled the
+    rollout's first turn by more than this (None: no bound)."""
     sampling_overrides: dict[str, Any] = field(default_factory=dict)
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     max_sessions_cached: int = 4096
+    idempotency_wait_s: float = 60.0
+    """How long a resend waits for the request holding its Idempotency-Key (then 409)."""
+    idempotency_stale_s: float = 900.0
+    """A claim older than this is abandoned (its server died): a resend takes it over."""
 
 
 class TurnService:
@@ -153,10 +263,57 @@ class TurnService:
         # checks the session's incarnation, so a deleted and re-created id is never served
         # from an old cache.
         self._records: OrderedDict[str, RecordCache] = OrderedDict()
+        # (session, Idempotency-Key) -> set when this process's request holding it ends, so
+        # a resend here wakes at once (resends through other replicas poll the store).
+        self._claims: dict[tuple[str, str], asyncio.Event] = {}
+        # Session -> its generations in flight in this process (`abort`).
+        self._flights: dict[str, set[_Flight]] = {}
 
     def engine_versions(self) -> dict[str, str | None]:
         """Replica URL -> the policy version it serves (None: not known yet)."""
         return {replica.url: replica.weight_version for replica in self.engine.replicas}
+
+    def engine_version(self) -> float | None:
+        """The newest numeric policy version any replica serves (None: none known)."""
+        numbers = [
+            version_number(replica.weight_version)
+            for replica in self.engine.replicas
+            if replica.weight_version is not None
+        ]
+        known = [n for n in numbers if n is not None]
+        return max(known) if known else None
+
+    def policy_lag(self, first: TurnRecord | None) -> tuple[str | None, bool]:
+        """The version that sampled `first` (a rollout's first turn) and whether the engine
+        has moved more than `max_policy_lag` versions past it (never without a bound or
+        numeric versions)."""
+        version = first.weight_versions[0].version if first and first.weight_versions else None
+        lag = self.config.max_policy_lag
+        start = None if version is None else version_number(version)
+        current = self.engine_version()
+        if lag is None or start is None or current is None:
+            return version, False
+        return version, current > start + lag
+
+    def _check_policy_lag(self, found: LookupResult) -> None:
+        """Refuse, before any engine call, a turn of a rollout that drifted too far
+        off-policy (`--max-policy-lag`)."""
+        if self.config.max_policy_lag is None:
+            return
+        if found.retry_of is not None:
+            root = found.retry_path[0] if found.retry_path else found.retry_of
+        else:
+            root = found.parent_path[0] if found.parent_path else None
+        version, exceeded = self.policy_lag(root)
+        if exceeded:
+            self.metrics.rejections.labels(reason="policy_lag").inc()
+            raise Refused(
+                409,
+                f"policy lag exceeded: this rollout's first turn was sampled at version "
+                f"{version}, the engine serves {self.engine_version():g} "
+                f"(--max-policy-lag {self.config.max_policy_lag}); start a new rollout",
+                kind="policy_lag_exceeded",
+            )
 
     # --- sessions -------------------------------------------------------------------
 
@@ -183,6 +340,8 @@ class TurnService:
         return_token_ids: bool | None = None,
         key_hash: str = "",
         routed_experts: bool | None = None,
+        group: str | None = None,
+        group_size: int | None = None,
     ) -> SessionMeta:
         if normalization:
             compile_rules(normalization)  # reject bad patterns before anything is stored
@@ -196,6 +355,8 @@ class TurnService:
             return_token_ids=return_token_ids,
             key_hash=key_hash,
             routed_experts=self.config.routed_experts if routed_experts is None else routed_experts,
+            group=group,
+            group_size=group_size,
         )
         try:
             created = await self.store.create_session(meta)
@@ -256,10 +417,18 @@ class TurnService:
         try:
             return await attempt()
         except SessionNotFound:
-            if self._sessions.pop(session_id, None) is None:
-                raise
-            self._records.pop(session_id, None)
+            self._forget(session_id)
             return await attempt()
+
+    def _forget(self, session_id: str) -> None:
+        """The session is gone behind this process's cached metadata (deleted or expired
+        through another replica). Raises SessionNotFound unless it may be created again on
+        first use: a session created with an API key never is (its key was checked against
+        the stale metadata; a fresh keyless session would take the request)."""
+        cached = self._sessions.pop(session_id, None)
+        self._records.pop(session_id, None)
+        if cached is None or cached.key_hash:
+            raise SessionNotFound(session_id)
 
     async def _plan_messages(self, session_id: str, conversation: Conversation) -> Plan:
         started = time.perf_counter()
@@ -277,7 +446,9 @@ class TurnService:
                 keys.input_key,
                 known=self._record_cache(session_id),
             )
+        self._check_policy_lag(found)
         plan = await self._classify(meta, conversation, keys, found)
+        plan.earlier = _earlier(plan, found)
         if rules:
             plan.volatile = volatile_parts(conversation, rules)
         plan.splice_seconds = time.perf_counter() - started
@@ -325,6 +496,7 @@ class TurnService:
             token_input_key(prompt_ids),
             known=self._record_cache(session_id),
         )
+        self._check_policy_lag(found)
         n = len(prompt_ids)
         if found.retry_of is not None:
             retry = found.retry_of
@@ -373,6 +545,7 @@ class TurnService:
                 "history_mismatch",
             )
         plan.n_messages = 0
+        plan.earlier = _earlier(plan, found)
         plan.splice_seconds = time.perf_counter() - started
         plan.sampling = build_sampling(
             conversation, meta.sampling_overrides, self.config, self.model, prompt_length=n
@@ -541,46 +714,262 @@ class TurnService:
     # --- generation -------------------------------------------------------------------
 
     async def complete(self, session_id: str, conversation: Conversation) -> TurnResult:
-        return await self._complete(await self.plan(session_id, conversation), conversation)
+        return await self._complete_once(
+            session_id, conversation, lambda: self.plan(session_id, conversation)
+        )
 
     def stream(self, session_id: str, conversation: Conversation) -> AsyncIterator[StreamEvent]:
-        async def planned() -> AsyncIterator[StreamEvent]:
-            plan = await self.plan(session_id, conversation)
-            async with contextlib.aclosing(self._stream(plan, conversation)) as events:
-                async for event in events:
-                    yield event
-
-        return planned()
+        return self._stream_once(
+            session_id, conversation, lambda: self.plan(session_id, conversation)
+        )
 
     async def complete_tokens(
         self, session_id: str, prompt_ids: list[int], conversation: Conversation
     ) -> TurnResult:
         """A client that sends the token prompt itself (`/v1/completions`)."""
-        plan = await self.plan_tokens(session_id, prompt_ids, conversation)
-        return await self._complete(plan, conversation)
+        return await self._complete_once(
+            session_id, conversation, lambda: self.plan_tokens(session_id, prompt_ids, conversation)
+        )
 
     def stream_tokens(
         self, session_id: str, prompt_ids: list[int], conversation: Conversation
     ) -> AsyncIterator[StreamEvent]:
-        async def planned() -> AsyncIterator[StreamEvent]:
-            plan = await self.plan_tokens(session_id, prompt_ids, conversation)
-            async with contextlib.aclosing(self._stream(plan, conversation)) as events:
-                async for event in events:
-                    yield event
+        return self._stream_once(
+            session_id, conversation, lambda: self.plan_tokens(session_id, prompt_ids, conversation)
+        )
 
-        return planned()
+    async def _complete_once(
+        self, session_id: str, conversation: Conversation, plan: Callable[[], Awaitable[Plan]]
+    ) -> TurnResult:
+        claimed = await self._claim(session_id, conversation)
+        if isinstance(claimed, TurnResult):
+            return claimed
+        try:
+            result = await self._complete(await plan(), conversation)
+        except BaseException:
+            await self._release(session_id, conversation, claimed)
+            raise
+        self._settled(session_id, conversation)
+        return result
+
+    async def _stream_once(
+        self, session_id: str, conversation: Conversation, plan: Callable[[], Awaitable[Plan]]
+    ) -> AsyncIterator[StreamEvent]:
+        claimed = await self._claim(session_id, conversation)
+        if isinstance(claimed, TurnResult):
+            for event in replay_events(claimed):
+                yield event
+            return
+        stored = False
+        try:
+            planned = await plan()
+            async with contextlib.aclosing(self._stream(planned, conversation)) as events:
+                async for event in events:
+                    stored = stored or isinstance(event, StreamFinished)
+                    yield event
+        finally:
+            if stored:
+                self._settled(session_id, conversation)
+            else:
+                await self._release(session_id, conversation, claimed)
+
+    # --- abort --------------------------------------------------------------------------
+
+    async def abort(self, session_id: str) -> int:
+        """Cut every generation of the session in flight in this process: each stores its
+        cut turn (finish_reason "abort") and answers its client with `Aborted`. Returns
+        how many were cut, once they have answered (or after ABORT_WAIT_S)."""
+        flights = list(self._flights.get(session_id, ()))
+        for flight in flights:
+            flight.abort()
+        if flights:
+            await asyncio.wait(
+                [asyncio.ensure_future(f.done.wait()) for f in flights], timeout=ABORT_WAIT_S
+            )
+        return len(flights)
+
+    def _take_off(self, session_id: str) -> _Flight:
+        flight = _Flight()
+        self._flights.setdefault(session_id, set()).add(flight)
+        return flight
+
+    def _land(self, session_id: str, flight: _Flight) -> None:
+        flights = self._flights.get(session_id)
+        if flights is not None:
+            flights.discard(flight)
+            if not flights:
+                del self._flights[session_id]
+        flight.done.set()
+
+    async def _record_cut(
+        self,
+        plan: Plan,
+        conversation: Conversation,
+        tokens: list[list[int]],
+        logprobs: list[list[float]] | None = None,
+        versions: list[list[WeightSpan]] | None = None,
+    ) -> NoReturn:
+        """Store what an aborted generation sampled (finish_reason "abort"), then raise
+        Aborted: nothing sampled is dropped, and the client hears why it got no reply."""
+        sampled = []
+        for i, ids in enumerate(tokens):
+            reply = self.model.parse(ids, "length", plan.prompt_ids, conversation.tools)
+            sampled.append(
+                _Sampled(
+                    i,
+                    list(ids),
+                    list(logprobs[i]) if logprobs else [],
+                    "abort",
+                    None,
+                    reply.message,
+                    "abort",
+                    versions[i] if versions else [],
+                )
+            )
+        await self._record(plan, conversation, sampled)
+        self.metrics.aborted_requests.inc()
+        raise Aborted(plan.session.session_id)
+
+    # --- idempotency keys ---------------------------------------------------------------
+
+    async def _claim(self, session_id: str, conversation: Conversation) -> TurnResult | str | None:
+        """For a request with an Idempotency-Key: the stored reply of the request that used
+        the key first (waiting while that one generates, here or on another replica), or
+        the owner token under which this request now holds the key. None without a key."""
+        idem = conversation.idempotency
+        if idem is None:
+            return None
+        owner = uuid.uuid4().hex
+        deadline = time.monotonic() + self.config.idempotency_wait_s
+        delay = 0.05
+        while True:
+            await self.session(session_id)
+            try:
+                claim = await self.store.claim_idempotency(
+                    session_id,
+                    idem.key,
+                    idem.fingerprint,
+                    owner=owner,
+                    stale_after_s=self.config.idempotency_stale_s,
+                )
+            except SessionNotFound:  # deleted behind the cached metadata
+                self._forget(session_id)
+                continue
+            if claim.state == "owned":
+                self._claims.setdefault((session_id, idem.key), asyncio.Event())
+                return owner
+            if claim.state == "done":
+                return await self._replay(session_id, conversation, claim.turn_id)
+            if claim.fingerprint != idem.fingerprint:
+                raise _key_reused(idem.key)
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise Refused(
+                    409,
+                    f"the request with Idempotency-Key {idem.key!r} is still generating",
+                    kind="idempotency_pending",
+                    retry_after_s=1,
+                )
+            local = self._claims.get((session_id, idem.key))
+            if local is not None:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(local.wait(), remaining)
+            else:
+                await asyncio.sleep(min(delay, remaining))
+                delay = min(delay * 2, 0.5)
+
+    def _settled(self, session_id: str, conversation: Conversation) -> None:
+        if conversation.idempotency is not None:
+            event = self._claims.pop((session_id, conversation.idempotency.key), None)
+            if event is not None:
+                event.set()
+
+    async def _release(
+        self, session_id: str, conversation: Conversation, owner: TurnResult | str | None
+    ) -> None:
+        """The request holding a key failed (nothing stored): free the key for a resend."""
+        idem = conversation.idempotency
+        if idem is None or not isinstance(owner, str):
+            return
+        try:
+            await self.store.release_idempotency(session_id, idem.key, owner)
+        except Exception:  # the claim then goes stale: a resend takes it over later
+            logger.warning("could not release Idempotency-Key %r", idem.key, exc_info=True)
+        finally:
+            self._settled(session_id, conversation)
+
+    async def _replay(
+        self, session_id: str, conversation: Conversation, turn_id: int
+    ) -> TurnResult:
+        """The reply stored under an Idempotency-Key, rebuilt from its turns: the same
+        response id, turn ids, tokens and (parsed from them again) messages."""
+        assert conversation.idempotency is not None
+        found = await self.store.lookup(
+            session_id,
+            [IDEMPOTENCY_DONE + conversation.idempotency.key],
+            None,
+            known=self._record_cache(session_id),
+        )
+        first = found.parent_path[-1]
+        stamp = first.extra.get("idempotency") or {}
+        if stamp.get("fingerprint") != conversation.idempotency.fingerprint:
+            raise _key_reused(conversation.idempotency.key)
+        n = int(stamp.get("choices", 1))
+        rest = await self.store.get_turns(session_id, list(range(turn_id + 1, turn_id + n)))
+        turns = [first, *(t for t in rest if t is not None)]
+        prompt = _prompt_of(found.parent_path[:-1], first)
+        meta = await self.session(session_id)
+        choices = []
+        for index, turn in enumerate(turns):
+            reply = self.model.parse(
+                turn.completion_ids, turn.finish_reason, prompt, conversation.tools
+            )
+            choices.append(
+                ChoiceResult(
+                    index=index,
+                    turn_id=turn.turn_id,
+                    message=reply.message,
+                    token_ids=list(turn.completion_ids),
+                    logprobs=list(turn.logprobs),
+                    finish_reason=reply.finish_reason,
+                    stop_reason=turn.stop_reason,
+                )
+            )
+        self.metrics.idempotent_replays.inc()
+        return TurnResult(
+            session_id=session_id,
+            prompt_ids=prompt,
+            choices=choices,
+            kind=first.kind,
+            break_reason=first.break_reason,
+            created=int(first.created_at),
+            model=self.config.model_name,
+            response_id=str(stamp.get("response_id", "")),
+            parent_turn_id=first.parent_id,
+            return_token_ids=return_token_ids(conversation, meta),
+        )
 
     async def _complete(self, plan: Plan, conversation: Conversation) -> TurnResult:
         session_id = plan.session.session_id
         sent, images = self._engine_prompt(plan, conversation)
         started = time.perf_counter()
-        generation = await self.engine.generate(
-            session_id,
-            sent,
-            plan.sampling,
-            reasoning_ended=conversation.reasoning_ended,
-            images=images,
-        )
+        flight = self._take_off(session_id)
+        try:
+            generation = await flight.run(
+                self.engine.generate(
+                    session_id,
+                    sent,
+                    plan.sampling,
+                    reasoning_ended=conversation.reasoning_ended,
+                    images=images,
+                )
+            )
+        except _Cut:
+            # vLLM returns nothing of a non-streamed request it aborted: the cut turn holds
+            # no tokens (a streamed request keeps every token that arrived).
+            await self._record_cut(plan, conversation, [[]] * conversation.n)
+        finally:
+            self._land(session_id, flight)
         self.metrics.engine_seconds.observe(time.perf_counter() - started)
         self._check_proof(plan, generation.prompt_ids)
         replies = [
@@ -609,6 +998,7 @@ class TurnService:
                 )
                 for c, reply in replies
             ],
+            cached_tokens=generation.cached_tokens,
         )
 
     async def _stream(self, plan: Plan, conversation: Conversation) -> AsyncIterator[StreamEvent]:
@@ -621,6 +1011,7 @@ class TurnService:
         finish: list[tuple[str, int | str | None] | None] = [None] * conversation.n
         versions: list[list[WeightSpan]] = [[] for _ in range(conversation.n)]
         routes: list[np.ndarray | None] = [None] * conversation.n
+        cached: int | None = None
         announced = False
         sent, images = self._engine_prompt(plan, conversation)
         engine_stream = self.engine.stream(
@@ -630,32 +1021,41 @@ class TurnService:
             reasoning_ended=conversation.reasoning_ended,
             images=images,
         )
-        async with contextlib.aclosing(engine_stream) as events:
-            async for event in events:
-                if isinstance(event, GenerationDelta):
-                    if not announced:
-                        announced = True
-                        yield self._started(plan, conversation, response_id)
-                    i = event.index
-                    tokens[i].extend(event.token_ids)
-                    logprobs[i].extend(event.logprobs)
-                    text = streamers[i].feed(event.token_ids)
-                    if event.token_ids or text.content or text.reasoning:
-                        yield ChoiceDelta(
-                            index=i,
-                            token_ids=list(event.token_ids),
-                            logprobs=list(event.logprobs),
-                            content=text.content,
-                            reasoning=text.reasoning,
-                        )
-                    if event.finish_reason is not None:
-                        finish[i] = (event.finish_reason, event.stop_reason)
-                    if event.weight_versions is not None:
-                        versions[i] = event.weight_versions
-                    if event.routed_experts is not None:
-                        routes[i] = event.routed_experts
-                else:  # the engine's report of the prompt it received
-                    self._check_proof(plan, event.prompt_ids)
+        flight = self._take_off(session_id)
+        try:
+            async with contextlib.aclosing(engine_stream) as events:
+                async for event in flight.events(events):
+                    if isinstance(event, GenerationDelta):
+                        if not announced:
+                            announced = True
+                            yield self._started(plan, conversation, response_id)
+                        i = event.index
+                        tokens[i].extend(event.token_ids)
+                        logprobs[i].extend(event.logprobs)
+                        text = streamers[i].feed(event.token_ids)
+                        if event.token_ids or text.content or text.reasoning:
+                            yield ChoiceDelta(
+                                index=i,
+                                token_ids=list(event.token_ids),
+                                logprobs=list(event.logprobs),
+                                content=text.content,
+                                reasoning=text.reasoning,
+                            )
+                        if event.finish_reason is not None:
+                            finish[i] = (event.finish_reason, event.stop_reason)
+                        if event.weight_versions is not None:
+                            versions[i] = event.weight_versions
+                        if event.routed_experts is not None:
+                            routes[i] = event.routed_experts
+                        if event.cached_tokens is not None:
+                            cached = event.cached_tokens
+                    else:  # the engine's report of the prompt it received
+                        self._check_proof(plan, event.prompt_ids)
+        except _Cut:
+            # Closing the engine stream (above) closed its connection: vLLM stopped it.
+            await self._record_cut(plan, conversation, tokens, logprobs, versions)
+        finally:
+            self._land(session_id, flight)
         self.metrics.engine_seconds.observe(time.perf_counter() - started)
         if not announced:
             yield self._started(plan, conversation, response_id)
@@ -684,7 +1084,9 @@ class TurnService:
                     routes[i],
                 )
             )
-        result = await self._record(plan, conversation, sampled, response_id=response_id)
+        result = await self._record(
+            plan, conversation, sampled, response_id=response_id, cached_tokens=cached
+        )
         yield StreamFinished(result=result)
 
     def _started(self, plan: Plan, conversation: Conversation, response_id: str) -> StreamStarted:
@@ -758,8 +1160,10 @@ class TurnService:
         sampled: list[_Sampled],
         *,
         response_id: str | None = None,
+        cached_tokens: int | None = None,
     ) -> TurnResult:
         response_id = response_id or uuid.uuid4().hex
+        cache: dict[str, Any] = {} if cached_tokens is None else {"cached_tokens": cached_tokens}
         records: list[TurnRecord] = []
         keys: list[list[str]] = []
         images = await self._keep_images(plan, conversation)
@@ -773,8 +1177,18 @@ class TurnService:
                     token_key(plan.prompt_ids + s.token_ids),
                     token_input_key(plan.prompt_ids),
                 ]
+            stamp: dict[str, Any] = {}
             if i == 0:
                 turn_keys.append(RESPONSE_KEY_PREFIX + response_id)
+                if conversation.idempotency is not None:
+                    turn_keys.append(IDEMPOTENCY_DONE + conversation.idempotency.key)
+                    stamp = {
+                        "idempotency": {
+                            "fingerprint": conversation.idempotency.fingerprint,
+                            "response_id": response_id,
+                            "choices": len(sampled),
+                        }
+                    }
             keys.append(turn_keys)
             records.append(
                 TurnRecord(
@@ -795,11 +1209,13 @@ class TurnService:
                     extra={"splice_ms": round(plan.splice_seconds * 1000, 3)}
                     | ({"reply_key": reply_key} if reply_key else {})
                     | ({"volatile": plan.volatile} if plan.volatile else {})
-                    | ({"images": images} if images else {}),
+                    | ({"images": images} if images else {})
+                    | cache
+                    | stamp,
                 )
             )
         try:
-            ids = await self.store.append_turns(plan.session.session_id, records, keys)
+            ids = await self._append(plan, records, keys)
         except SessionNotFound:
             self._sessions.pop(plan.session.session_id, None)
             raise
@@ -808,6 +1224,15 @@ class TurnService:
             self.metrics.turns_by_weight_version.labels(version=version).inc(count)
         if plan.volatile:
             self.metrics.normalized_requests.inc()
+        if cached_tokens is not None:
+            self.metrics.prompt_tokens.inc(len(plan.prompt_ids))
+            self.metrics.cached_prompt_tokens.inc(cached_tokens)
+            self.metrics.stale_cache_turns.inc(
+                sum(
+                    stale_cache(plan.earlier, cached_tokens, record.weight_versions)
+                    for record in records
+                )
+            )
         if plan.break_reason and plan.kind in ("rewrite",):
             self.metrics.segment_breaks.labels(reason=plan.break_reason).inc()
         self.metrics.splice_seconds.observe(plan.splice_seconds)
@@ -834,6 +1259,88 @@ class TurnService:
             parent_turn_id=plan.parent_id,
             return_token_ids=return_token_ids(conversation, plan.session),
         )
+
+    async def _append(
+        self, plan: Plan, records: list[TurnRecord], keys: list[list[str]]
+    ) -> list[int]:
+        """Store the turns unless an identical request (same input key) stored its turns
+        since this one was planned (concurrent resends, a resend while the first was still
+        generating, on any replica): then these turns are retries, siblings of that
+        request's, never a second root or a second continuation."""
+        session_id = plan.session.session_id
+        if plan.kind == "retry":
+            return await self.store.append_turns(session_id, records, keys)
+        try:
+            return await self.store.append_turns(session_id, records, keys, unless_key=keys[0][1])
+        except KeyTaken as taken:
+            (winner,) = await self.store.get_turns(session_id, [taken.turn_id])
+        same_prompt = winner is not None and (
+            winner.parent_id,
+            winner.segment_start,
+            winner.prompt_delta,
+        ) == (plan.parent_id, plan.segment_start, plan.prompt_delta)
+        if same_prompt:
+            assert winner is not None
+            plan.kind = "retry"
+            plan.break_reason = winner.break_reason
+            for record in records:
+                record.kind = "retry"
+                record.break_reason = winner.break_reason
+            self.metrics.retry_races.inc()
+        return await self.store.append_turns(session_id, records, keys)
+
+
+def _earlier(plan: Plan, found: LookupResult) -> list[TurnRecord]:
+    """The segment's turns before the planned one (none when it starts a segment)."""
+    if plan.segment_start:
+        return []
+    path = found.retry_path if plan.kind == "retry" else found.parent_path
+    start = max((i for i, t in enumerate(path) if t.segment_start), default=0)
+    return path[start:]
+
+
+def _key_reused(key: str) -> Refused:
+    return Refused(
+        422,
+        f"Idempotency-Key {key!r} was used with a different request body",
+        kind="idempotency_key_reused",
+        param="Idempotency-Key",
+    )
+
+
+def replay_events(result: TurnResult) -> list[StreamEvent]:
+    """A stored reply as the stream events that first produced it (an Idempotency-Key
+    resend of a streamed request)."""
+    events: list[StreamEvent] = [
+        StreamStarted(
+            session_id=result.session_id,
+            prompt_ids=result.prompt_ids,
+            kind=result.kind,
+            break_reason=result.break_reason,
+            created=result.created,
+            model=result.model,
+            n=len(result.choices),
+            response_id=result.response_id,
+            return_token_ids=result.return_token_ids,
+        )
+    ]
+    for choice in result.choices:
+        events.append(
+            ChoiceDelta(
+                index=choice.index,
+                token_ids=choice.token_ids,
+                logprobs=choice.logprobs,
+                content=choice.message.content or "",
+                reasoning=choice.message.reasoning or "",
+            )
+        )
+        events.append(
+            ChoiceFinished(
+                index=choice.index, message=choice.message, finish_reason=choice.finish_reason
+            )
+        )
+    events.append(StreamFinished(result=result))
+    return events
 
 
 @dataclass(slots=True)

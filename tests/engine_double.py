@@ -45,6 +45,7 @@ import asyncio
 import base64
 import contextlib
 import io
+import itertools
 import json
 import secrets
 import socket
@@ -199,6 +200,12 @@ class EngineDouble:
     """Streams whose body finished or was abandoned by the client (vLLM aborts those)."""
     streams_abandoned: int = 0
     """Streams the client left before their last token (the engine stopped generating)."""
+    prefix_cache: bool = False
+    """Report `usage.prompt_tokens_details.cached_tokens` (vLLM with
+    --enable-prompt-tokens-details) as a prefix cache of 16-token blocks that never evicts
+    would: the longest block-aligned prefix shared with an earlier request's prompt +
+    completion. Streams report it when asked for usage (`stream_options.include_usage`)."""
+    _computed: list[list[int]] = field(default_factory=list)
     report_prompt: Callable[[list[int]], list[int]] | None = None
     """Rewrites the prompt reported back to the client (the prompt generated from is not)."""
     requests: list[RecordedRequest] = field(default_factory=list)
@@ -239,6 +246,8 @@ class EngineDouble:
             self.streams_abandoned = 0
             self.generate_endpoint = True
             self.report_prompt = None
+            self.prefix_cache = False
+            self._computed.clear()
 
     def _stream_ended(self, finished: bool) -> None:
         with self._lock:
@@ -510,19 +519,40 @@ class EngineDouble:
         request_id = _request_id("generate-tokens-")
         want_logprobs = sampling.get("logprobs") is not None
         prompt_out = self._reported(prompt) if body.get("return_token_ids") else None
+        cached = self._cache(prompt, completions)
         if not stream:
-            return JSONResponse(
-                _generate_response(
-                    request_id, self.model, prompt, prompt_out, completions, want_logprobs
-                )
+            response = _generate_response(
+                request_id, self.model, prompt, prompt_out, completions, want_logprobs
             )
+            if cached is not None:
+                response["usage"]["prompt_tokens_details"] = {"cached_tokens": cached}
+            return JSONResponse(response)
         chunks = _generate_chunks(request_id, prompt_out, completions, want_logprobs)
+        if cached is not None and (body.get("stream_options") or {}).get("include_usage"):
+            chunks = itertools.chain(
+                chunks, [_usage_chunk(request_id, prompt, completions, cached)]
+            )
         return _sse(
             _with_fault(chunks, request.state.fault),
             media_type="text/event-stream",
             chunk_delay_s=self.chunk_delay_s,
             on_close=self._stream_ended,
         )
+
+    def _cache(self, prompt: list[int], completions: list[ScriptedCompletion]) -> int | None:
+        if not self.prefix_cache:
+            return None
+        with self._lock:
+            shared = 0
+            for seen in self._computed:
+                n = 0
+                for a, b in zip(prompt, seen, strict=False):
+                    if a != b:
+                        break
+                    n += 1
+                shared = max(shared, n)
+            self._computed.extend([*prompt, *c.token_ids] for c in completions)
+        return shared // 16 * 16
 
     def _reported(self, prompt: list[int]) -> list[int]:
         return prompt if self.report_prompt is None else self.report_prompt(list(prompt))
@@ -697,6 +727,14 @@ def _generate_response(
             for i, c in enumerate(completions)
         ],
     }
+
+
+def _usage_chunk(
+    request_id: str, prompt: list[int], completions: list[ScriptedCompletion], cached: int
+) -> str:
+    usage = _usage(len(prompt), sum(len(c.token_ids) for c in completions))
+    usage["prompt_tokens_details"] = {"cached_tokens": cached}
+    return f"data: {_compact({'request_id': request_id, 'choices': [], 'usage': usage})}\n\n"
 
 
 def _interleaved(completions: list[ScriptedCompletion]) -> Iterator[tuple[int, int]]:

@@ -58,6 +58,8 @@ def _create(
     metadata: dict[str, Any] | None,
     ttl_seconds: int | None,
     routed_experts: bool | None,
+    group: str | None = None,
+    group_size: int | None = None,
 ) -> _Call:
     body = _without_none(
         {
@@ -66,16 +68,20 @@ def _create(
             "metadata": metadata,
             "ttl_seconds": ttl_seconds,
             "routed_experts": routed_experts,
+            "group": group,
+            "group_size": group_size,
         }
     )
     return _Call("POST", "/sessions", json=body)
 
 
-def _finish(session_id: str, reward: float | None, metadata: dict[str, Any] | None) -> _Call:
+def _finish(
+    session_id: str, reward: float | None, metadata: dict[str, Any] | None, status: str = "ok"
+) -> _Call:
     return _Call(
         "POST",
         f"/sessions/{session_id}/finish",
-        json=_without_none({"reward": reward, "metadata": metadata}),
+        json=_without_none({"reward": reward, "metadata": metadata, "status": status}),
     )
 
 
@@ -99,6 +105,9 @@ def _export(
     limit: int,
     min_weight_version: float | None,
     stale: Stale,
+    group: str | None = None,
+    status: list[str] | None = None,
+    failed_members: str = "hold",
 ) -> _Call:
     body = _without_none(
         {
@@ -107,9 +116,12 @@ def _export(
             "since": since,
             "until": until,
             "min_weight_version": min_weight_version,
+            "group": group,
+            "status": status,
         }
     )
-    return _Call("POST", "/sessions/export", json={"limit": limit, "stale": stale, **body})
+    fixed = {"limit": limit, "stale": stale, "failed_members": failed_members}
+    return _Call("POST", "/sessions/export", json={**fixed, **body})
 
 
 def _finished(data: dict[str, Any]) -> list[FinishedSession]:
@@ -181,11 +193,13 @@ class Client:
         metadata: dict[str, Any] | None = None,
         ttl_seconds: int | None = None,
         routed_experts: bool | None = None,
+        group: str | None = None,
+        group_size: int | None = None,
     ) -> SessionInfo:
         """A new session. `sampling` overrides what the harness sends (vLLM parameter
         names); `metadata` is what `list_finished`/`export` selectors match;
         `routed_experts` turns MoE routing replay on or off (default: the server's)."""
-        call = _create(id, sampling, metadata, ttl_seconds, routed_experts)
+        call = _create(id, sampling, metadata, ttl_seconds, routed_experts, group, group_size)
         return SessionInfo.from_json(self._send(call))
 
     def finish(
@@ -194,9 +208,10 @@ class Client:
         *,
         reward: float | None = None,
         metadata: dict[str, Any] | None = None,
+        status: str = "ok",
     ) -> Finish:
         """Mark the rollout finished (once); it is then listed and exportable."""
-        return Finish.from_json(self._send(_finish(session_id, reward, metadata))["finish"])
+        return Finish.from_json(self._send(_finish(session_id, reward, metadata, status))["finish"])
 
     def trajectory(
         self, session_id: str, *, min_weight_version: float | None = None, stale: Stale = "mask"
@@ -235,11 +250,25 @@ class Client:
         limit: int = 1000,
         min_weight_version: float | None = None,
         stale: Stale = "mask",
+        group: str | None = None,
+        status: list[str] | None = None,
+        failed_members: str = "hold",
     ) -> Iterator[Row]:
         """Rows (one per segment) of finished sessions, streamed as the server sends them.
         Raises TokenkeepError before the first row for a batch that cannot be exported
         (an unknown or unfinished session, nothing matching)."""
-        call = _export(session_ids, selector, since, until, limit, min_weight_version, stale)
+        call = _export(
+            session_ids,
+            selector,
+            since,
+            until,
+            limit,
+            min_weight_version,
+            stale,
+            group,
+            status,
+            failed_members,
+        )
         with self._http.stream(call.method, call.path, json=call.json) as response:
             if response.status_code >= 400:
                 _raise_for(response.status_code, response.read())
@@ -295,8 +324,10 @@ class AsyncClient:
         metadata: dict[str, Any] | None = None,
         ttl_seconds: int | None = None,
         routed_experts: bool | None = None,
+        group: str | None = None,
+        group_size: int | None = None,
     ) -> SessionInfo:
-        call = _create(id, sampling, metadata, ttl_seconds, routed_experts)
+        call = _create(id, sampling, metadata, ttl_seconds, routed_experts, group, group_size)
         return SessionInfo.from_json(await self._send(call))
 
     async def finish(
@@ -305,8 +336,9 @@ class AsyncClient:
         *,
         reward: float | None = None,
         metadata: dict[str, Any] | None = None,
+        status: str = "ok",
     ) -> Finish:
-        data = await self._send(_finish(session_id, reward, metadata))
+        data = await self._send(_finish(session_id, reward, metadata, status))
         return Finish.from_json(data["finish"])
 
     async def trajectory(
@@ -352,8 +384,22 @@ class AsyncClient:
         limit: int = 1000,
         min_weight_version: float | None = None,
         stale: Stale = "mask",
+        group: str | None = None,
+        status: list[str] | None = None,
+        failed_members: str = "hold",
     ) -> AsyncIterator[Row]:
-        call = _export(session_ids, selector, since, until, limit, min_weight_version, stale)
+        call = _export(
+            session_ids,
+            selector,
+            since,
+            until,
+            limit,
+            min_weight_version,
+            stale,
+            group,
+            status,
+            failed_members,
+        )
         async with self._http.stream(call.method, call.path, json=call.json) as response:
             if response.status_code >= 400:
                 _raise_for(response.status_code, await response.aread())

@@ -66,6 +66,8 @@ def _schema(pa: Any) -> Any:
             ("metadata", pa.string()),
             ("finish_metadata", pa.string()),
             ("routed_experts", pa.binary()),
+            ("status", pa.string()),
+            ("group", pa.string()),
         ]
     )
 

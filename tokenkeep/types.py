@@ -75,10 +75,16 @@ class Finish:
     finished_at: float
     reward: float | None
     metadata: dict[str, Any]
+    status: str = "ok"
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Finish:
-        return cls(data["finished_at"], data.get("reward"), data.get("metadata") or {})
+        return cls(
+            data["finished_at"],
+            data.get("reward"),
+            data.get("metadata") or {},
+            data.get("status", "ok"),
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,6 +209,10 @@ class Row:
     leaf_turn_id: int = 0
     routed_experts: np.ndarray | None = None
     """[T - 1, layers, top_k] (see SegmentArrays), or None."""
+    status: str | None = None
+    """The finish status: `ok`, `env_error`, `model_error` or `aborted`."""
+    group: str | None = None
+    """The rollout group the session was created in, if any."""
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Row:
@@ -224,6 +234,8 @@ class Row:
             finish_metadata=data["finish_metadata"],
             leaf_turn_id=data["leaf_turn_id"],
             routed_experts=decode_routes(data.get("routed_experts")),
+            status=data.get("status"),
+            group=data.get("group"),
         )
 
     def arrays(self) -> SegmentArrays:
@@ -249,6 +261,8 @@ class Batch:
     rewards: np.ndarray
     """float32 [B]"""
     metadata: list[dict[str, Any]]
+    groups: list[str | None]
+    """Each row's rollout group (for group-relative advantages)."""
 
     @classmethod
     def from_rows(cls, rows: Iterable[Row], *, pad_id: int = 0) -> Batch:
@@ -277,4 +291,5 @@ class Batch:
             logprobs=logprobs,
             rewards=rewards,
             metadata=[r.metadata for r in rows],
+            groups=[r.group for r in rows],
         )

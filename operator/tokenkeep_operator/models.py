@@ -338,6 +338,13 @@ class SessionServerSpec(CRDModel):
         description="On termination, how long in-flight requests and streams may take to "
         "finish (the pod's terminationGracePeriodSeconds is set to cover it).",
     )
+    max_policy_lag: int | None = Field(
+        None,
+        ge=0,
+        description="Refuse a new turn (409) once the engine's policy version exceeds the "
+        "version that sampled the rollout's first turn by more than this "
+        "(TOKENKEEP_MAX_POLICY_LAG; numeric versions). Unset: no bound.",
+    )
 
 
 # --- status ------------------------------------------------------------------------------

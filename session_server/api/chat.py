@@ -16,6 +16,7 @@ from session_server.api.routing import LeanRoute
 from session_server.api.session_ids import check_session_id, session_id_from_headers
 from session_server.api.sse import (
     DONE,
+    IDEMPOTENCY_KEY_DOC,
     data_line,
     openai_error_line,
     serve_turn,
@@ -420,6 +421,7 @@ async def _serve(session_id: str, body: ChatCompletionRequest, request: Request)
         request,
         session_id,
         "chat",
+        conversation,
         streaming=conversation.stream,
         complete=lambda: service.complete(session_id, conversation),
         stream=lambda: service.stream(session_id, conversation),
@@ -429,14 +431,14 @@ async def _serve(session_id: str, body: ChatCompletionRequest, request: Request)
     )
 
 
-@router.post("/sessions/{session_id}/v1/chat/completions")
+@router.post("/sessions/{session_id}/v1/chat/completions", openapi_extra=IDEMPOTENCY_KEY_DOC)
 async def session_chat_completions(
     session_id: str, body: ChatCompletionRequest, request: Request
 ) -> Any:
     return await _serve(check_session_id(session_id), body, request)
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", openapi_extra=IDEMPOTENCY_KEY_DOC)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
     return await _serve(session_id_from_headers(request), body, request)
 

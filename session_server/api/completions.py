@@ -20,6 +20,7 @@ from session_server.api.routing import LeanRoute
 from session_server.api.session_ids import check_session_id, session_id_from_headers
 from session_server.api.sse import (
     DONE,
+    IDEMPOTENCY_KEY_DOC,
     data_line,
     openai_error_line,
     serve_turn,
@@ -240,6 +241,7 @@ async def _serve(session_id: str, body: CompletionRequest, request: Request) -> 
         request,
         session_id,
         "completions",
+        conversation,
         streaming=conversation.stream,
         complete=lambda: service.complete_tokens(session_id, ids, conversation),
         stream=lambda: service.stream_tokens(session_id, ids, conversation),
@@ -249,11 +251,11 @@ async def _serve(session_id: str, body: CompletionRequest, request: Request) -> 
     )
 
 
-@router.post("/sessions/{session_id}/v1/completions")
+@router.post("/sessions/{session_id}/v1/completions", openapi_extra=IDEMPOTENCY_KEY_DOC)
 async def session_completions(session_id: str, body: CompletionRequest, request: Request) -> Any:
     return await _serve(check_session_id(session_id), body, request)
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", openapi_extra=IDEMPOTENCY_KEY_DOC)
 async def completions(body: CompletionRequest, request: Request) -> Any:
     return await _serve(session_id_from_headers(request), body, request)

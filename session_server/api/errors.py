@@ -20,7 +20,7 @@ from session_server.api.session_ids import InvalidSessionId, MissingSessionId
 from session_server.conversation import ConversationError
 from session_server.engines import EngineError
 from session_server.store.base import SessionNotFound, StoreUnavailable, UnknownParent
-from session_server.turns import ProofFailed, SessionMissing
+from session_server.turns import ProofFailed, Refused, SessionMissing
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ def error_response(
 
 def retry_after(exc: Exception) -> int | None:
     """Seconds after which a transient failure (503, 429) may be retried, else None."""
-    if isinstance(exc, StoreUnavailable | APIError):
+    if isinstance(exc, StoreUnavailable | APIError | Refused):
         return exc.retry_after_s
     if isinstance(exc, EngineError) and exc.status == 503:
         return 1
@@ -124,6 +124,8 @@ def classify(exc: Exception) -> tuple[int, str, str | None, str | None]:
         return exc.status, exc.message, exc.param, exc.type
     if isinstance(exc, ConversationError):
         return exc.status, str(exc), exc.param, None
+    if isinstance(exc, Refused):
+        return exc.status, str(exc), exc.param, exc.kind
     if isinstance(exc, InvalidSessionId | MissingSessionId):
         return 400, str(exc), "session_id", None
     if isinstance(exc, SessionMissing | SessionNotFound):
@@ -178,6 +180,7 @@ def install(app: FastAPI) -> None:
         SessionNotFound,
         EngineError,
         ProofFailed,
+        Refused,
         StoreUnavailable,
         UnknownParent,
     ):

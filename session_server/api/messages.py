@@ -31,14 +31,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeI
 from session_server.api.errors import classify, error_body
 from session_server.api.routing import LeanRoute
 from session_server.api.session_ids import check_session_id, session_id_from_headers
-from session_server.api.sse import event_line, serve_turn
-from session_server.conversation import (
-    Conversation,
-    ConversationError,
-    Message,
-    Tool,
-    ToolCall,
-)
+from session_server.api.sse import IDEMPOTENCY_KEY_DOC, event_line, serve_turn
+from session_server.conversation import Conversation, ConversationError, Message, Tool, ToolCall
 from session_server.images import (
     ImageInput,
     check_count,
@@ -518,6 +512,7 @@ async def _serve(session_id: str, wire: MessagesRequest, request: Request) -> An
         request,
         session_id,
         "messages",
+        conversation,
         streaming=conversation.stream,
         complete=lambda: service.complete(session_id, conversation),
         stream=lambda: service.stream(session_id, conversation),
@@ -539,12 +534,12 @@ async def _count_tokens(session_id: str, wire: CountTokensRequest, request: Requ
     return {"input_tokens": len(prompt)}
 
 
-@router.post("/sessions/{session_id}/v1/messages")
+@router.post("/sessions/{session_id}/v1/messages", openapi_extra=IDEMPOTENCY_KEY_DOC)
 async def session_messages(session_id: str, body: MessagesRequest, request: Request) -> Any:
     return await _serve(check_session_id(session_id), body, request)
 
 
-@router.post("/v1/messages")
+@router.post("/v1/messages", openapi_extra=IDEMPOTENCY_KEY_DOC)
 async def messages(body: MessagesRequest, request: Request) -> Any:
     return await _serve(session_id_from_headers(request), body, request)
 

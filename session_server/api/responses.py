@@ -46,7 +46,7 @@ from session_server.api.response_tools import (
 )
 from session_server.api.routing import LeanRoute
 from session_server.api.session_ids import check_session_id, session_id_from_headers
-from session_server.api.sse import event_line, serve_turn
+from session_server.api.sse import IDEMPOTENCY_KEY_DOC, event_line, serve_turn
 from session_server.conversation import Conversation, ConversationError, Message, ToolCall
 from session_server.images import ImageInput, check_count, compose, decode_data_url, no_marks
 from session_server.results import (
@@ -690,6 +690,7 @@ async def _serve(session_id: str, wire: ResponsesRequest, request: Request) -> A
         request,
         session_id,
         "responses",
+        conversation,
         streaming=conversation.stream,
         complete=lambda: service.complete(session_id, conversation),
         stream=lambda: service.stream(session_id, conversation),
@@ -699,11 +700,11 @@ async def _serve(session_id: str, wire: ResponsesRequest, request: Request) -> A
     )
 
 
-@router.post("/sessions/{session_id}/v1/responses")
+@router.post("/sessions/{session_id}/v1/responses", openapi_extra=IDEMPOTENCY_KEY_DOC)
 async def session_responses(session_id: str, body: ResponsesRequest, request: Request) -> Any:
     return await _serve(check_session_id(session_id), body, request)
 
 
-@router.post("/v1/responses")
+@router.post("/v1/responses", openapi_extra=IDEMPOTENCY_KEY_DOC)
 async def responses(body: ResponsesRequest, request: Request) -> Any:
     return await _serve(session_id_from_headers(request), body, request)

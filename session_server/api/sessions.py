@@ -18,7 +18,13 @@ from session_server.api.auth import issue_session_key
 from session_server.api.errors import APIError
 from session_server.api.session_ids import SESSION_ID_PATTERN, check_session_id
 from session_server.images import image_media_type
-from session_server.store.base import AlreadyFinished, Finish, SessionNotFound
+from session_server.store.base import (
+    FINISH_STATUSES,
+    AlreadyFinished,
+    Finish,
+    FinishStatus,
+    SessionNotFound,
+)
 
 router = APIRouter()
 
@@ -40,6 +46,11 @@ class CreateSession(BaseModel):
     routed_experts: bool | None = None
     """MoE routing replay: store each turn's expert routes (default: the server's
     --routed-experts setting). The engine needs --enable-return-routed-experts."""
+    group: str | None = Field(default=None, pattern=SESSION_ID_PATTERN.pattern)
+    """The rollout group (the G samples of one prompt); needs `group_size`."""
+    group_size: int | None = Field(default=None, ge=1, le=100_000)
+    """How many sessions the group has; the batch export takes the group once that many
+    are finished."""
 
 
 def _urls(request: Request, session_id: str) -> dict[str, str]:
@@ -53,6 +64,8 @@ def _urls(request: Request, session_id: str) -> dict[str, str]:
 @router.post("/sessions", status_code=201)
 async def create_session(request: Request, body: CreateSession | None = None) -> dict[str, Any]:
     body = body or CreateSession()
+    if (body.group is None) != (body.group_size is None):
+        raise APIError(400, "group and group_size go together", param="group_size")
     service = request.app.state.turns
     session_id = body.id or uuid.uuid4().hex
     if body.id and await service.store.get_session(session_id) is not None:
@@ -67,6 +80,8 @@ async def create_session(request: Request, body: CreateSession | None = None) ->
         return_token_ids=body.return_token_ids,
         key_hash=key_hash,
         routed_experts=body.routed_experts,
+        group=body.group,
+        group_size=body.group_size,
     )
     if meta.key_hash != key_hash:  # created concurrently by another request: not ours
         raise APIError(409, f"session {session_id!r} already exists", param="id")
@@ -77,6 +92,8 @@ async def create_session(request: Request, body: CreateSession | None = None) ->
         "sampling": meta.sampling_overrides,
         "metadata": meta.metadata,
         "routed_experts": meta.routed_experts,
+        "group": meta.group,
+        "group_size": meta.group_size,
         **_urls(request, meta.session_id),
         # The only time the key is shown: the store keeps its digest only.
         "api_key": api_key,
@@ -94,7 +111,12 @@ async def _existing(request: Request, session_id: str) -> Any:
 def _finish_json(finish: Finish | None) -> dict[str, Any] | None:
     if finish is None:
         return None
-    return {"finished_at": finish.finished_at, "reward": finish.reward, "metadata": finish.metadata}
+    return {
+        "finished_at": finish.finished_at,
+        "reward": finish.reward,
+        "status": finish.status,
+        "metadata": finish.metadata,
+    }
 
 
 def _staleness(
@@ -117,6 +139,8 @@ class FinishSession(BaseModel):
     model_config = ConfigDict(extra="forbid")
     reward: float | None = Field(default=None, allow_inf_nan=False)
     metadata: dict[str, Any] | None = None
+    status: FinishStatus = "ok"
+    """`ok`, or why the rollout failed (a group holds or drops its failed members)."""
 
 
 class ExportBatch(BaseModel):
@@ -131,6 +155,15 @@ class ExportBatch(BaseModel):
     limit: int = Field(default=1000, ge=1, le=100_000)
     min_weight_version: float | None = None
     stale: Literal["mask", "drop"] = "mask"
+    group: str | None = Field(default=None, pattern=SESSION_ID_PATTERN.pattern)
+    """Export this group (409 while it runs or is held)."""
+    status: list[FinishStatus] | None = Field(default=None, min_length=1)
+    """Only sessions finished with one of these statuses (after the group rules)."""
+    failed_members: batch.FailedMembers = "hold"
+    """A complete group with a failed member: held back whole ("hold"), or exported
+    without its failed members ("drop")."""
+    branches: export.Branches = "all"
+    """`last`: per session only the path to its most recently stored turn."""
 
 
 @router.get("/sessions")
@@ -141,9 +174,13 @@ async def list_sessions(
     since: float | None = None,
     until: float | None = None,
     limit: int = 1000,
+    status: str | None = None,
+    group: str | None = None,
 ) -> dict[str, Any]:
     """Finished sessions (the only ones listed: a listing of running ones would need an
-    index written on every turn)."""
+    index written on every turn), or with `group`, that group's state and every member."""
+    if group is not None:
+        return await _group_state(request, group)
     if not finished:
         raise APIError(
             400, "only finished sessions can be listed (finished=true)", param="finished"
@@ -160,11 +197,46 @@ async def list_sessions(
         )
     except batch.BatchError as exc:
         raise _batch_error(exc) from exc
+    found = batch.with_status(found, _statuses(status))
     return {
         "sessions": [
-            {"id": sid, "metadata": meta.metadata, "finish": _finish_json(finish)}
+            {
+                "id": sid,
+                "metadata": meta.metadata,
+                "group": meta.group,
+                "finish": _finish_json(finish),
+            }
             for sid, meta, finish in found
         ]
+    }
+
+
+def _statuses(text: str | None) -> list[str] | None:
+    if text is None:
+        return None
+    wanted = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [part for part in wanted if part not in FINISH_STATUSES]
+    if unknown or not wanted:
+        raise APIError(
+            400,
+            f"status takes a comma-separated list of {', '.join(FINISH_STATUSES)}",
+            param="status",
+        )
+    return wanted
+
+
+async def _group_state(request: Request, group_id: str) -> dict[str, Any]:
+    check_session_id(group_id)
+    found = await batch.groups(request.app.state.turns.store, [group_id])
+    if group_id not in found:
+        raise APIError(404, f"group {group_id!r} not found", param="group")
+    group = found[group_id]
+    return {
+        **group.state(),
+        "members": [
+            {"id": meta.session_id, "finish": _finish_json(finish)}
+            for meta, finish in group.members
+        ],
     }
 
 
@@ -176,7 +248,12 @@ async def export_batch(body: ExportBatch, request: Request) -> StreamingResponse
     store = request.app.state.turns.store
     staleness = _staleness(body.min_weight_version, body.stale)
     try:
-        if body.session_ids is not None:
+        if body.group is not None:
+            found = await batch.groups(store, [body.group])
+            if body.group not in found:
+                raise APIError(404, f"group {body.group!r} not found", param="group")
+            selected = found[body.group].finished
+        elif body.session_ids is not None:
             for session_id in body.session_ids:
                 check_session_id(session_id)
             selected = await batch.named(store, body.session_ids)
@@ -188,14 +265,21 @@ async def export_batch(body: ExportBatch, request: Request) -> StreamingResponse
                 until=body.until,
                 limit=body.limit,
             )
+        selected = await batch.whole_groups(
+            store,
+            selected,
+            failed_members=body.failed_members,
+            strict=body.group is not None or body.session_ids is not None,
+        )
     except batch.BatchError as exc:
         raise _batch_error(exc) from exc
+    selected = batch.with_status(selected, body.status)
     if not selected:
         raise APIError(404, "no finished session matches this export", param="selector")
 
     async def lines() -> AsyncIterator[bytes]:
         try:
-            async for row in batch.rows(store, selected, staleness):
+            async for row in batch.rows(store, selected, staleness, body.branches):
                 yield json.dumps(row, separators=(",", ":")).encode() + b"\n"
         except SessionNotFound as exc:
             error = {"message": f"session {exc.args[0]!r} was deleted during the export"}
@@ -210,12 +294,47 @@ async def finish_session(
 ) -> dict[str, Any]:
     body = body or FinishSession()
     await _existing(request, session_id)
-    finish = Finish(finished_at=time.time(), reward=body.reward, metadata=body.metadata or {})
+    finish = Finish(
+        finished_at=time.time(),
+        reward=body.reward,
+        metadata=body.metadata or {},
+        status=body.status,
+    )
     try:
         await request.app.state.turns.store.finish_session(session_id, finish)
     except AlreadyFinished as exc:
         raise APIError(409, f"session {session_id!r} is already finished") from exc
     return {"id": session_id, "finish": _finish_json(finish)}
+
+
+class AbortSession(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    finish: bool = False
+    """Also finish the session (its finish metadata then says `"status": "aborted"`);
+    default: the session stays usable."""
+
+
+@router.post("/sessions/{session_id}/abort")
+async def abort_session(
+    session_id: str, request: Request, body: AbortSession | None = None
+) -> dict[str, Any]:
+    """Cut the session's generations in flight on this server: each stores its cut turn
+    (finish_reason "abort") and its request is answered with an `aborted` error. Answers
+    once they have (at most ~10 s)."""
+    body = body or AbortSession()
+    await _existing(request, session_id)
+    store = request.app.state.turns.store
+    if await store.get_finish(session_id) is not None:
+        raise APIError(409, f"session {session_id!r} is finished; nothing to abort")
+    aborted = await request.app.state.turns.abort(session_id)
+    finish = None
+    if body.finish:
+        finish = Finish(finished_at=time.time(), metadata={"status": "aborted"}, status="aborted")
+        try:
+            await store.finish_session(session_id, finish)
+        except AlreadyFinished as exc:
+            raise APIError(409, f"session {session_id!r} is already finished") from exc
+    return {"id": session_id, "aborted": aborted, "finish": _finish_json(finish)}
 
 
 @router.get("/sessions/{session_id}")
@@ -224,6 +343,7 @@ async def get_session(session_id: str, request: Request) -> dict[str, Any]:
     service = request.app.state.turns
     turns = await service.store.all_turns(session_id)
     finish = await service.store.get_finish(session_id)
+    first_version, lag_exceeded = service.policy_lag(turns[0] if turns else None)
     return {
         "id": session_id,
         "created_at": meta.created_at,
@@ -231,9 +351,13 @@ async def get_session(session_id: str, request: Request) -> dict[str, Any]:
         "sampling": meta.sampling_overrides,
         "metadata": meta.metadata,
         "routed_experts": meta.routed_experts,
+        "group": meta.group,
+        "group_size": meta.group_size,
         "finish": _finish_json(finish),
         **export.summary(session_id, turns),
         "engine_weight_versions": service.engine_versions(),
+        "first_weight_version": first_version,
+        "policy_lag_exceeded": lag_exceeded,
         **_urls(request, session_id),
     }
 
@@ -245,11 +369,14 @@ async def get_trajectory(
     format: Literal["json", "jsonl"] = "json",
     min_weight_version: float | None = None,
     stale: Literal["mask", "drop"] = "mask",
+    branches: export.Branches = "all",
 ) -> dict[str, Any] | StreamingResponse:
+    """`branches=all` (default): every root-to-leaf path of the turn tree; `last`: only the
+    path to the most recently stored turn (one leaf per rollout)."""
     await _existing(request, session_id)
     staleness = _staleness(min_weight_version, stale)
     turns = await request.app.state.turns.store.all_turns(session_id)
-    data = export.trajectory(session_id, turns, staleness)
+    data = export.trajectory(session_id, turns, staleness, branches)
     if format == "json":
         return data
 

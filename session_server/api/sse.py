@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -11,6 +12,7 @@ from fastapi.responses import StreamingResponse
 
 from session_server.api.errors import classify, error_body
 from session_server.api.routing import dumps
+from session_server.conversation import Conversation, ConversationError, Idempotency
 from session_server.results import StreamEvent, TurnResult
 
 log = logging.getLogger("tokenkeep.requests")
@@ -82,10 +84,41 @@ def sse_response(
     )
 
 
+MAX_IDEMPOTENCY_KEY_BYTES = 255
+IDEMPOTENCY_KEY_DOC = {
+    "parameters": [
+        {
+            "name": "Idempotency-Key",
+            "in": "header",
+            "required": False,
+            "schema": {"type": "string", "minLength": 1, "maxLength": MAX_IDEMPOTENCY_KEY_BYTES},
+            "description": "Scoped to the session: a resend with the same key and body gets "
+            "the stored reply (same id, message, tokenkeep.turn_ids; no engine call, no new "
+            "turn), waiting while the first is still generating; another body gets 422. "
+            "Read by hand (not a FastAPI parameter) so the turn route stays lean.",
+        }
+    ]
+}
+
+
+async def idempotency(request: Request) -> Idempotency | None:
+    """The request's `Idempotency-Key` (scoped to its session) with its body's fingerprint."""
+    key = request.headers.get("idempotency-key")
+    if key is None:
+        return None
+    if not key or len(key.encode()) > MAX_IDEMPOTENCY_KEY_BYTES:
+        raise ConversationError(
+            f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY_BYTES} bytes",
+            param="Idempotency-Key",
+        )
+    return Idempotency(key, hashlib.sha256(await request.body()).hexdigest())
+
+
 async def serve_turn(
     request: Request,
     session_id: str,
     api: str,
+    conversation: Conversation,
     *,
     streaming: bool,
     complete: Callable[[], Awaitable[TurnResult]],
@@ -98,6 +131,7 @@ async def serve_turn(
     in that API's frames; the request is labelled for the access log and metrics."""
     request.state.session_id = session_id
     request.state.api = api
+    conversation.idempotency = await idempotency(request)
     if not streaming:
         result = await complete()
         request.state.turn_kind = result.kind

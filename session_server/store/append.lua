@@ -2,8 +2,10 @@
 -- KEYS: meta, turns, index, parents.
 -- ARGV: token (16 hex digits, random per append), n_turns, segments, tokens, n_breaks,
 --       break_reason x n_breaks,
---       then per turn: parent_id (0 = root), record, n_keys, key x n_keys.
--- Reply: {'ok', first_id} | {'gone'} | {'parent', parent_id}.
+--       then per turn: parent_id (0 = root), record, n_keys, key x n_keys,
+--       then optionally unless_key: store nothing if that index key is stored already.
+-- Reply: {'ok', first_id} | {'gone'} | {'parent', parent_id} | {'taken', turn_id}.
+-- Keys 'idem:<k>' (an Idempotency-Key's reply) replace the pending claim 'idp:<k>'.
 -- The meta field 'acks' remembers the last 32 appends as token + first id (8 hex digits):
 -- a client that lost the reply and sends the same append again (same token) gets the ids
 -- already stored, and nothing is stored twice.
@@ -31,6 +33,12 @@ for _ = 1, n do
   end
   pos = pos + 3 + tonumber(ARGV[pos + 2])
 end
+if ARGV[pos] then
+  local taken = redis.call('HGET', index, ARGV[pos])
+  if taken then
+    return {'taken', tonumber(taken)}
+  end
+end
 
 -- The turn count doubles as the id allocator: turns are never removed one by one.
 local last = redis.call('HINCRBY', meta, 'turns', n)
@@ -46,7 +54,11 @@ for _ = 1, n do
   end
   local n_keys = tonumber(ARGV[pos + 2])
   for k = 1, n_keys do
-    redis.call('HSETNX', index, ARGV[pos + 2 + k], id)
+    local key = ARGV[pos + 2 + k]
+    if string.sub(key, 1, 5) == 'idem:' then
+      redis.call('HDEL', index, 'idp:' .. string.sub(key, 6))
+    end
+    redis.call('HSETNX', index, key, id)
   end
   pos = pos + 3 + n_keys
 end

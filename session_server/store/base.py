@@ -24,7 +24,7 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, get_args
 
 import numpy as np
 
@@ -90,6 +90,10 @@ class SessionMeta:
     """SHA-256 of the session's API key (session_server.api.auth); empty: none issued."""
     routed_experts: bool = False
     """MoE routing replay: ask the engine for each turn's expert routes and store them."""
+    group: str | None = None
+    """The rollout group (the G samples of one prompt) this session belongs to."""
+    group_size: int | None = None
+    """How many sessions the group has: it is complete when that many are finished."""
 
 
 def new_incarnation() -> str:
@@ -191,6 +195,12 @@ class Finish:
     finished_at: float
     reward: float | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    status: str = "ok"
+    """`ok`, or why the rollout failed: `env_error`, `model_error`, `aborted` (FINISH_STATUSES)."""
+
+
+FinishStatus = Literal["ok", "env_error", "model_error", "aborted"]
+FINISH_STATUSES: tuple[str, ...] = get_args(FinishStatus)
 
 
 class SessionNotFound(KeyError):
@@ -207,6 +217,35 @@ class AlreadyFinished(ValueError):
 
 class UnknownParent(ValueError):
     """An appended turn names a parent the session does not hold; nothing was stored."""
+
+
+class KeyTaken(ValueError):
+    """`append_turns(..., unless_key=k)` found `k` already stored (a concurrent identical
+    request won the race); nothing was stored."""
+
+    def __init__(self, turn_id: int) -> None:
+        super().__init__(f"key already names turn {turn_id}")
+        self.turn_id = turn_id
+
+
+IDEMPOTENCY_DONE = "idem:"
+"""Index key prefix: Idempotency-Key -> the first turn of the stored reply (set by the
+append that stores that reply)."""
+IDEMPOTENCY_PENDING = "idp:"
+"""Index key prefix: Idempotency-Key -> `since|owner|fingerprint` while a request holding
+the key generates (`claim_idempotency`)."""
+
+
+@dataclass(slots=True, frozen=True)
+class IdempotencyClaim:
+    """What `claim_idempotency` found for a key."""
+
+    state: str
+    """owned (the caller holds the key now) | pending (another request does) | done."""
+    turn_id: int = 0
+    """done: the first turn of the stored reply."""
+    fingerprint: str = ""
+    """pending: the body fingerprint of the request holding the key."""
 
 
 class StoreUnavailable(RuntimeError):
@@ -272,17 +311,38 @@ class SessionStore(Protocol):
         ...
 
     async def append_turns(
-        self, session_id: str, turns: list[TurnRecord], keys: list[list[str]]
+        self,
+        session_id: str,
+        turns: list[TurnRecord],
+        keys: list[list[str]],
+        *,
+        unless_key: str | None = None,
     ) -> list[int]:
         """Atomically store `turns` (the sibling choices of one request), allocate their
         ids, index turn `i` under every key in `keys[i]` (reply key, input key, response
-        id...; a key already stored keeps its first turn), refresh the session's TTL and
-        update its counters. Returns the allocated ids in order. Either everything is stored
-        or nothing is. Raises SessionNotFound if the session is gone, UnknownParent if a
-        turn's parent_id is not in the session, ValueError on malformed turns (no turns, a
-        key list per turn missing, token IDs outside [0, 2**32), logprobs not one per
-        completion token). The `turn_id` of the records passed in is ignored and left
-        unchanged."""
+        id...; a key already stored keeps its first turn, but for `IDEMPOTENCY_DONE` keys,
+        which replace a pending claim), refresh the session's TTL and update its counters.
+        Returns the allocated ids in order. Either everything is stored or nothing is.
+        Raises SessionNotFound if the session is gone, UnknownParent if a turn's parent_id
+        is not in the session, KeyTaken if `unless_key` is already stored (checked in the
+        same atomic step: two identical requests never both store a root), ValueError on
+        malformed turns (no turns, a key list per turn missing, token IDs outside
+        [0, 2**32), logprobs not one per completion token). The `turn_id` of the records
+        passed in is ignored and left unchanged."""
+        ...
+
+    async def claim_idempotency(
+        self, session_id: str, key: str, fingerprint: str, *, owner: str, stale_after_s: float
+    ) -> IdempotencyClaim:
+        """Atomically: `done` if a reply is stored under the Idempotency-Key `key`; else
+        `pending` if another owner claimed it less than `stale_after_s` ago; else claim it
+        for `owner` (`owned`; a claim by the same owner is owned again). The claim lives
+        with the session (same TTL, deleted with it). Raises SessionNotFound."""
+        ...
+
+    async def release_idempotency(self, session_id: str, key: str, owner: str) -> None:
+        """Drop `owner`'s pending claim of `key` (its request failed and stored nothing);
+        a claim of another owner or a stored reply stays. No error if the session is gone."""
         ...
 
     async def resolve_key(self, session_id: str, key: str) -> int | None:

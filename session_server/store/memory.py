@@ -12,8 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from session_server.store.base import (
+    IDEMPOTENCY_DONE,
     AlreadyFinished,
     Finish,
+    IdempotencyClaim,
+    KeyTaken,
     LookupResult,
     RecordCache,
     SessionCounters,
@@ -48,6 +51,8 @@ class _Session:
     tokens: int = 0
     breaks: dict[str, int] = field(default_factory=dict)
     finish: bytes | None = None
+    claims: dict[str, tuple[float, str, str]] = field(default_factory=dict)
+    """Idempotency-Key -> (since, owner, fingerprint) while its request generates."""
     images: dict[str, bytes] = field(default_factory=dict)
 
     def touch(self, now: float) -> None:
@@ -192,13 +197,20 @@ class MemoryStore:
         )
 
     async def append_turns(
-        self, session_id: str, turns: list[TurnRecord], keys: list[list[str]]
+        self,
+        session_id: str,
+        turns: list[TurnRecord],
+        keys: list[list[str]],
+        *,
+        unless_key: str | None = None,
     ) -> list[int]:
         batch = encode_append(turns, keys)
         session = self._require(session_id)
         for parent in batch.parents:
             if parent and parent not in session.records:
                 raise UnknownParent(f"session {session_id} has no turn {parent}")
+        if unless_key is not None and unless_key in session.index:
+            raise KeyTaken(session.index[unless_key])
         first = len(session.records) + 1
         ids = list(range(first, first + len(batch.blobs)))
         for turn_id, blob, turn_keys, parent in zip(
@@ -208,6 +220,8 @@ class MemoryStore:
             if parent:
                 session.children[parent] = session.children.get(parent, 0) + 1
             for key in turn_keys:
+                if key.startswith(IDEMPOTENCY_DONE):
+                    session.claims.pop(key[len(IDEMPOTENCY_DONE) :], None)
                 session.index.setdefault(key, turn_id)
         session.segments += batch.segments
         session.tokens += batch.tokens
@@ -218,6 +232,25 @@ class MemoryStore:
 
     async def resolve_key(self, session_id: str, key: str) -> int | None:
         return self._require(session_id).index.get(key)
+
+    async def claim_idempotency(
+        self, session_id: str, key: str, fingerprint: str, *, owner: str, stale_after_s: float
+    ) -> IdempotencyClaim:
+        session = self._require(session_id)
+        done = session.index.get(IDEMPOTENCY_DONE + key)
+        if done is not None:
+            return IdempotencyClaim("done", turn_id=done)
+        now = self._clock()
+        claim = session.claims.get(key)
+        if claim is not None and claim[1] != owner and now - claim[0] < stale_after_s:
+            return IdempotencyClaim("pending", fingerprint=claim[2])
+        session.claims[key] = (now, owner, fingerprint)
+        return IdempotencyClaim("owned")
+
+    async def release_idempotency(self, session_id: str, key: str, owner: str) -> None:
+        session = self._live(session_id)
+        if session is not None and key in session.claims and session.claims[key][1] == owner:
+            del session.claims[key]
 
     async def all_turns(self, session_id: str) -> list[TurnRecord]:
         session = self._require(session_id)

@@ -52,6 +52,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from session_server.store.base import (
     AlreadyFinished,
     Finish,
+    IdempotencyClaim,
+    KeyTaken,
     LookupResult,
     RecordCache,
     SessionCounters,
@@ -206,6 +208,8 @@ class RedisStore:
         self._delete = self._redis.register_script(_script("delete.lua"))
         self._read_script = self._redis.register_script(_script("read.lua"))
         self._finish = self._redis.register_script(_script("finish.lua"))
+        self._claim = self._redis.register_script(_script("claim.lua"))
+        self._release = self._redis.register_script(_script("release.lua"))
         self._images = self._redis.register_script(_script("images.lua"))
         self._finished_key = f"{key_prefix}:finished"
 
@@ -342,7 +346,12 @@ class RedisStore:
         )
 
     async def append_turns(
-        self, session_id: str, turns: list[TurnRecord], keys: list[list[str]]
+        self,
+        session_id: str,
+        turns: list[TurnRecord],
+        keys: list[list[str]],
+        *,
+        unless_key: str | None = None,
     ) -> list[int]:
         batch = encode_append(turns, keys)
         args: list[bytes | str | int] = [
@@ -355,11 +364,15 @@ class RedisStore:
         ]
         for parent, blob, turn_keys in zip(batch.parents, batch.blobs, batch.keys, strict=True):
             args += [parent, blob, len(turn_keys), *turn_keys]
+        if unless_key is not None:
+            args.append(unless_key)
         keys = self.session_keys(session_id)
         reply = await self._call(lambda: self._write(self._append, keys, args))
         status = reply[0]
         if status == b"gone":
             raise SessionNotFound(session_id)
+        if status == b"taken":
+            raise KeyTaken(int(reply[1]))
         if status == b"parent":
             raise UnknownParent(f"session {session_id} has no turn {int(reply[1])}")
         first = int(reply[1])
@@ -397,6 +410,26 @@ class RedisStore:
         index_key = self.session_keys(session_id)[2]
         turn_id = await self._read(session_id, index_key, "HGET", key)
         return None if turn_id is None else int(turn_id)
+
+    async def claim_idempotency(
+        self, session_id: str, key: str, fingerprint: str, *, owner: str, stale_after_s: float
+    ) -> IdempotencyClaim:
+        meta_key, _, index_key, _ = self.session_keys(session_id)
+        args = [key, fingerprint, owner, repr(time.time()), repr(stale_after_s)]
+        # Retried safely: a claim by the same owner is owned again.
+        reply = await self._call(lambda: self._write(self._claim, [meta_key, index_key], args))
+        if not reply:
+            raise SessionNotFound(session_id)
+        state = reply[0].decode()
+        if state == "done":
+            return IdempotencyClaim("done", turn_id=int(reply[1]))
+        if state == "pending":
+            return IdempotencyClaim("pending", fingerprint=reply[1].decode())
+        return IdempotencyClaim("owned")
+
+    async def release_idempotency(self, session_id: str, key: str, owner: str) -> None:
+        index_key = self.session_keys(session_id)[2]
+        await self._call(lambda: self._write(self._release, [index_key], [key, owner]))
 
     async def all_turns(self, session_id: str) -> list[TurnRecord]:
         turns_key = self.session_keys(session_id)[1]

@@ -224,6 +224,19 @@ def test_session_server_points_at_every_engine_replica_and_its_redis() -> None:
     assert container["readinessProbe"]["httpGet"]["path"] == "/readyz"
 
 
+def test_max_policy_lag_reaches_the_session_server_and_engines_report_cache_hits() -> None:
+    resource = load_example("sessionserver.yaml")
+    model_server = load_example("modelserver-qwen3-8b.yaml")
+    data, _ = _session_env(render_sessionserver(resource, model_server))
+    assert "TOKENKEEP_MAX_POLICY_LAG" not in data
+    resource["spec"]["maxPolicyLag"] = 2
+    data, _ = _session_env(render_sessionserver(resource, model_server))
+    assert data["TOKENKEEP_MAX_POLICY_LAG"] == "2"
+    objects = _by_kind(render_modelserver(model_server))
+    engine_args = objects[("Deployment", "qwen3-8b-engine")]["spec"]["template"]["spec"]
+    assert "--enable-prompt-tokens-details" in engine_args["containers"][0]["args"]
+
+
 def test_external_redis_url_comes_from_its_secret_and_no_redis_is_run() -> None:
     objects = render_sessionserver(external_sessionserver(), pvc_modelserver())
     data, env = _session_env(objects)

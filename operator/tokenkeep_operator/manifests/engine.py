@@ -96,8 +96,9 @@ def vllm_args(owner_name: str, spec: ModelServerSpec) -> list[str]:
         args += ["--max-model-len", str(engine.max_model_len)]
     if spec.model.revision and spec.model.scheme == "hf":
         args += ["--revision", spec.model.revision]
-    # The session server's token-in endpoint (/inference/v1/generate).
-    args.append("--enable-scale-out")
+    # The session server's token-in endpoint (/inference/v1/generate); prompt token details
+    # report the prefix-cache hits tokenkeep records per turn (`cached_tokens`).
+    args += ["--enable-scale-out", "--enable-prompt-tokens-details"]
     if engine.tool_call_parser:
         args += ["--enable-auto-tool-choice", "--tool-call-parser", engine.tool_call_parser]
     if engine.reasoning_parser:

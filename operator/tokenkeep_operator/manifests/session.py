@@ -94,6 +94,8 @@ def settings(
     elif spec.redis.external and spec.redis.external.wait_replicas:
         data["TOKENKEEP_REDIS_WAIT_REPLICAS"] = str(spec.redis.external.wait_replicas)
     data["TOKENKEEP_SHUTDOWN_GRACE_S"] = str(spec.shutdown_grace_seconds)
+    if spec.max_policy_lag is not None:
+        data["TOKENKEEP_MAX_POLICY_LAG"] = str(spec.max_policy_lag)
     return data
 
 
