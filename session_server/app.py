@@ -75,10 +75,18 @@ def build_service(
     )
     metrics = metrics or Metrics()
     metrics.generic_splice.set(1 if model.family == GENERIC else 0)
+    metrics.model_path.labels(
+        renderer=model.family,
+        bridge="template" if model.template_bridge else "renderer",
+        reason=model.path.reason,
+    ).set(1)
     if model.family == GENERIC:
         logging.getLogger("tokenkeep").warning(
-            "no hand-written renderer for this model: the generic end-of-turn splice is used"
+            "no hand-written renderer for this model: the generic end-of-turn splice is used (%s)",
+            model.path.reason,
         )
+    else:
+        logging.getLogger("tokenkeep").info("path: %s", model.path.reason)
     return TurnService(
         store=store
         or open_store(

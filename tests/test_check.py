@@ -17,7 +17,16 @@ from session_server import check
 from session_server.check import load_model, startup_check
 from tests.real_tokenizers import llama32_dir, qwen3_dir
 
-SCENARIO_KEYS = {"name", "api", "stream", "naive_contiguous", "contiguous", "reason"}
+SCENARIO_KEYS = {
+    "name",
+    "api",
+    "stream",
+    "naive_contiguous",
+    "contiguous",
+    "calls_parsed",
+    "stream_equal",
+    "reason",
+}
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -32,9 +41,23 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
 def assert_contiguous(result: subprocess.CompletedProcess[str], renderer: str) -> dict[str, Any]:
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads(result.stdout)
-    assert set(report) == {"model", "renderer", "contiguous", "scenarios"}
+    assert set(report) == {
+        "model",
+        "renderer",
+        "path_reason",
+        "contiguous",
+        "tool_calls_parsed",
+        "stream_equal",
+        "ok",
+        "scenarios",
+    }
     assert report["renderer"] == renderer
     assert report["contiguous"] is True
+    # The scripted tool calls reach every API as calls, and each stream equals its twin.
+    assert report["tool_calls_parsed"] is True and report["stream_equal"] is True
+    calls = [r for r in report["scenarios"] if r["name"].endswith("tool_call")]
+    assert calls and all(r["calls_parsed"] is True for r in calls)
+    assert all(r["stream_equal"] is True for r in report["scenarios"] if r["stream"])
     rows = report["scenarios"]
     assert all(set(row) == SCENARIO_KEYS for row in rows)
     assert {row["api"] for row in rows} == {"chat", "responses", "messages"}

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from session_server.api.params import explicit_sampling
-from session_server.api.routing import LeanRoute
+from session_server.api.routing import LeanRoute, convert
 from session_server.api.session_ids import check_session_id, session_id_from_headers
 from session_server.api.sse import (
     DONE,
@@ -415,7 +415,7 @@ async def _chunks(
 
 async def _serve(session_id: str, body: ChatCompletionRequest, request: Request) -> Any:
     service = request.app.state.turns
-    conversation = to_conversation(body)
+    conversation = await convert(request, to_conversation, body)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return await serve_turn(
         request,

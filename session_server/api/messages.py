@@ -29,7 +29,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeInt
 
 from session_server.api.errors import classify, error_body
-from session_server.api.routing import LeanRoute
+from session_server.api.routing import LeanRoute, convert
 from session_server.api.session_ids import check_session_id, session_id_from_headers
 from session_server.api.sse import IDEMPOTENCY_KEY_DOC, event_line, serve_turn
 from session_server.conversation import Conversation, ConversationError, Message, Tool, ToolCall
@@ -498,7 +498,7 @@ async def message_stream(events: AsyncIterator[StreamEvent]) -> AsyncIterator[by
 
 
 async def _serve(session_id: str, wire: MessagesRequest, request: Request) -> Any:
-    conversation = conversation_from_request(wire)
+    conversation = await convert(request, conversation_from_request, wire)
     service = request.app.state.turns
 
     def on_error(exc: Exception) -> bytes:
@@ -525,7 +525,7 @@ async def _serve(session_id: str, wire: MessagesRequest, request: Request) -> An
 async def _count_tokens(session_id: str, wire: CountTokensRequest, request: Request) -> Any:
     """The prompt the conversation renders to by itself; a later turn that continues stored
     tokens can differ by the few tokens the bridge frames differently."""
-    conversation = conversation_from_request(wire)
+    conversation = await convert(request, conversation_from_request, wire)
     service = request.app.state.turns
     request.state.session_id = session_id
     request.state.api = "messages"

@@ -44,7 +44,7 @@ from session_server.api.response_tools import (
     open_reasoning,
     seal_reasoning,
 )
-from session_server.api.routing import LeanRoute
+from session_server.api.routing import LeanRoute, convert
 from session_server.api.session_ids import check_session_id, session_id_from_headers
 from session_server.api.sse import IDEMPOTENCY_KEY_DOC, event_line, serve_turn
 from session_server.conversation import Conversation, ConversationError, Message, ToolCall
@@ -678,8 +678,11 @@ def _reasoning_key(app: Any) -> bytes:
 
 async def _serve(session_id: str, wire: ResponsesRequest, request: Request) -> Any:
     key = _reasoning_key(request.app)
-    conversation = conversation_from_request(
-        wire, reasoning=lambda value: open_reasoning(key, session_id, value)
+    conversation = await convert(
+        request,
+        lambda: conversation_from_request(
+            wire, reasoning=lambda value: open_reasoning(key, session_id, value)
+        ),
     )
     seal: ReasoningSealer | None = None
     if "reasoning.encrypted_content" in wire.include:

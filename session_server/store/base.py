@@ -115,6 +115,10 @@ class RecordCache:
     """The session incarnation the records belong to; None = not known yet (never matches)."""
     records: dict[int, TurnRecord] = field(default_factory=dict)
     """Turn id -> record, as stored in that incarnation."""
+    tokens_json: dict[int, tuple[int, bytes]] = field(default_factory=dict)
+    """Turn id -> (token count, JSON array) of every token through that turn, prompt and
+    reply, as sent to the engine: the next turn sends these bytes and its own new tokens
+    instead of encoding the whole history again. Only the latest turn's are kept."""
 
     def learn(self, incarnation: str | None, decoded: dict[int, TurnRecord]) -> None:
         """Take in the records a lookup decoded from a session of `incarnation`.
@@ -127,6 +131,7 @@ class RecordCache:
         else:
             self.incarnation = incarnation
             self.records = decoded
+            self.tokens_json = {}
 
 
 @dataclass(slots=True)

@@ -341,6 +341,7 @@ def test_check_passes_on_the_qwen3_vl_template(vl_tokenizer_dir: Path) -> None:
     every run token-exact where a naive re-render breaks each."""
     from tests.test_check import assert_contiguous, run_cli
 
-    report = assert_contiguous(run_cli("--tokenizer", str(vl_tokenizer_dir), "--json"), "generic")
+    family = ChatModel(load_tokenizer(str(vl_tokenizer_dir))).family
+    report = assert_contiguous(run_cli("--tokenizer", str(vl_tokenizer_dir), "--json"), family)
     assert len(report["scenarios"]) == 36
     assert not any(row["naive_contiguous"] for row in report["scenarios"])
