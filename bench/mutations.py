@@ -1,10 +1,13 @@
-"""Mutation check of the splice and turn modules: does the suite catch deliberate bugs?
+"""Mutation check: does the suite catch deliberate bugs in the modules a trajectory passes?
 
-Each mutant is a small hand-made edit of `session_server/splice.py` or
-`session_server/turns.py` (a bug that would corrupt training data or silence a safety check).
-For each one the script copies the working tree to a scratch directory, applies the edit
-there (the checkout is never touched), runs the targeted test files with that copy first on
-the import path, and records whether the tests fail ("caught") or pass ("missed").
+Each mutant is a small hand-made edit (a bug that would corrupt training data or silence a
+safety check) of the splice and turn logic, the export, the streamer, the lineage keys, each
+API front-end, the store's record codec or the Redis Lua scripts. For each one the script
+copies the working tree to a scratch directory, applies the edit there (the checkout is never
+touched), runs the targeted test files (both stores: memory and Redis) with that copy first
+on the import path, and records whether a test FAILED ("caught", with the first failing
+test), everything passed ("missed"), or the run ended without a test failure (collection or
+import error, a fixture error, a timeout: "error", never counted as caught).
 
     .venv/bin/python bench/mutations.py                  # the tests of the working tree
     .venv/bin/python bench/mutations.py --tests-from REV # the same mutants, REV's tests
@@ -29,18 +32,37 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 SPLICE = "session_server/splice.py"
 TURNS = "session_server/turns.py"
-# The test files that exercise the splice and the turn logic: contiguity per mismatch class,
-# the second family and the generic splice, the safety checks (where the tree has them).
-# Only their in-memory-store cases: the mutated code is the same on either store, and the
-# Redis cases would double a run that is already minutes per mutant on two cores.
+EXPORT = "session_server/export.py"
+STREAMING = "session_server/streaming.py"
+CONVERSATION = "session_server/conversation.py"
+CHAT = "session_server/api/chat.py"
+MESSAGES = "session_server/api/messages.py"
+RESPONSES = "session_server/api/responses.py"
+COMPLETIONS = "session_server/api/completions.py"
+CODEC = "session_server/store/codec.py"
+APPEND_LUA = "session_server/store/append.lua"
+LOOKUP_LUA = "session_server/store/lookup.lua"
+# The tests that exercise those modules end to end, the quick ones first (`-x` stops at the
+# first failure, so a caught mutant costs little). Both stores: the Lua scripts and the codec
+# only run on Redis.
 TARGETED = [
+    "tests/store/test_codec.py",
+    "tests/store/test_store.py",
+    "tests/session/test_logprobs.py",
     "tests/session/test_contiguity.py",
     "tests/session/test_families.py",
     "tests/session/test_lineage.py",
     "tests/session/test_safety_checks.py",
+    "tests/session/test_token_prompts.py",
+    "tests/trainer/test_client.py",
+    "tests/trainer/test_weight_versions.py",
+    "tests/api/test_messages_e2e.py",
+    "tests/api/test_responses_e2e.py",
+    "tests/api/test_messages_cross_api.py",
+    "tests/session/test_stream_equivalence.py",
 ]
-PYTEST_ARGS = ["-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly"]
-SELECT = "not redis"
+PYTEST_ARGS = ["-x", "-q", "-rfE", "-p", "no:cacheprovider", "-p", "no:randomly"]
+SELECT = "not vllm"
 
 
 @dataclass(frozen=True)
@@ -174,6 +196,170 @@ MUTANTS = [
             ),
         ),
     ),
+    Mutant(
+        "export_logprobs_shifted",
+        "exported logprobs are shifted by one position within each turn",
+        EXPORT,
+        (
+            (
+                "for lp in turn.logprobs)",
+                "for lp in [*turn.logprobs[1:], *turn.logprobs[:1]])",
+            ),
+        ),
+    ),
+    Mutant(
+        "export_prompt_in_loss",
+        "the prompt delta is marked for the loss",
+        EXPORT,
+        (
+            (
+                'current["loss_mask"].extend([0] * len(turn.prompt_delta))',
+                'current["loss_mask"].extend([1] * len(turn.prompt_delta))',
+            ),
+        ),
+    ),
+    Mutant(
+        "export_versions_at_prompt",
+        "policy-version spans are placed at the turn's prompt, not its sampled tokens",
+        EXPORT,
+        (
+            (
+                "spans = _shifted(turn.weight_versions, completion_start)",
+                "spans = _shifted(turn.weight_versions, prompt_start)",
+            ),
+        ),
+    ),
+    Mutant(
+        "stream_tool_call_text",
+        "the text of a tool call streams as content",
+        STREAMING,
+        (
+            (
+                'elif token in self._holds and self._channel != "tool":',
+                "elif False:",
+            ),
+        ),
+    ),
+    Mutant(
+        "stream_split_character",
+        "half a multibyte character is streamed",
+        STREAMING,
+        (("        if text.endswith(_REPLACEMENT) and not final:\n", "        if False:\n"),),
+    ),
+    Mutant(
+        "lineage_ignores_tool_content",
+        "lineage keys ignore a tool result's content",
+        CONVERSATION,
+        (
+            (
+                "    parts: list[str] = [message.role, canonical_text(message.content, rules)]",
+                "    parts: list[str] = [message.role, '' if message.role == 'tool' "
+                "else canonical_text(message.content, rules)]",
+            ),
+        ),
+    ),
+    Mutant(
+        "lineage_ignores_tool_arguments",
+        "lineage keys ignore a tool call's arguments",
+        CONVERSATION,
+        (("            parts.append(canonical_arguments(call.arguments))\n", ""),),
+    ),
+    Mutant(
+        "chat_logprobs_shifted",
+        "Chat Completions `logprobs` are shifted by one position",
+        CHAT,
+        (
+            (
+                "for token, lp in zip(token_ids, logprobs, strict=False):",
+                "for token, lp in zip(token_ids, [*logprobs[1:], *logprobs[:1]], strict=False):",
+            ),
+        ),
+    ),
+    Mutant(
+        "messages_tool_result_first_block",
+        "an Anthropic tool_result keeps only its first block",
+        MESSAGES,
+        (
+            (
+                "content=_joined(block.content), tool_call_id",
+                "content=_joined(block.content[:1]), tool_call_id",
+            ),
+        ),
+    ),
+    Mutant(
+        "responses_output_dropped",
+        "a Responses function_call_output loses its output",
+        RESPONSES,
+        (
+            (
+                'return Message(role="tool", content=text, tool_call_id=item.call_id)',
+                'return Message(role="tool", content="", tool_call_id=item.call_id)',
+            ),
+        ),
+    ),
+    Mutant(
+        "completions_logprobs_shifted",
+        "/v1/completions `token_logprobs` are shifted by one position",
+        COMPLETIONS,
+        (
+            (
+                '"token_logprobs": [None if math.isnan(v) else v for v in values],',
+                '"token_logprobs": [None if math.isnan(v) else v for v in '
+                "[*values[1:], *values[:1]]],",
+            ),
+        ),
+    ),
+    Mutant(
+        "codec_logprobs_reversed",
+        "the record codec stores a turn's logprobs in reverse order",
+        CODEC,
+        (
+            (
+                'logprobs = np.asarray(record.logprobs, dtype="<f4")',
+                'logprobs = np.asarray(record.logprobs[::-1], dtype="<f4")',
+            ),
+        ),
+    ),
+    Mutant(
+        "codec_segment_start_lost",
+        "the record codec loses the segment-start flag",
+        CODEC,
+        (("(_SEGMENT_START if record.segment_start else 0)", "0"),),
+    ),
+    Mutant(
+        "codec_versions_lost",
+        "the record codec drops the policy-version spans",
+        CODEC,
+        (("    if record.weight_versions:\n", "    if False:\n"),),
+    ),
+    Mutant(
+        "append_lua_parent_lost",
+        "append.lua records every turn as a root in the parents hash",
+        APPEND_LUA,
+        (
+            (
+                "redis.call('HSET', parents, id, ARGV[pos])",
+                "redis.call('HSET', parents, id, '0')",
+            ),
+        ),
+    ),
+    Mutant(
+        "lookup_lua_children_ignored",
+        "lookup.lua reports no children for the matched turn (a fork looks like an extend)",
+        LOOKUP_LUA,
+        (
+            (
+                "reply[4] = tonumber(redis.call('HGET', parents, 'c' .. id) or '0')",
+                "reply[4] = 0",
+            ),
+        ),
+    ),
+    Mutant(
+        "lookup_lua_shallowest_first",
+        "lookup.lua matches the shallowest stored turn instead of the deepest",
+        LOOKUP_LUA,
+        (("for i = n, 1, -1 do", "for i = 1, n do"),),
+    ),
 ]
 
 
@@ -253,19 +439,30 @@ def main() -> int:
                 code, seconds, output = run_tests(tree, args.timeout, args.exclude)
             finally:
                 path.write_text(original)
-            verdict = "caught" if code not in (0, -1) else "missed" if code == 0 else "timeout"
-            rows.append((mutant, verdict, seconds))
-            failed = [line for line in output.splitlines() if line.startswith("FAILED")]
-            print(
-                f"{mutant.name}: {verdict} (exit {code}, {seconds:.0f}s) {failed[:1]}", flush=True
-            )
+            verdict, by = judge(code, output)
+            rows.append((mutant, verdict, by))
+            print(f"{mutant.name}: {verdict} (exit {code}, {seconds:.0f}s) {by}", flush=True)
     caught = sum(v == "caught" for _, v, _ in rows)
     print(f"\n{caught} of {len(rows)} caught\n")
-    print("| mutant | file | what | result |")
-    print("|---|---|---|---|")
-    for mutant, verdict, _ in rows:
-        print(f"| `{mutant.name}` | {mutant.file} | {mutant.what} | {verdict} |")
+    print("| mutant | file | what | result | caught by |")
+    print("|---|---|---|---|---|")
+    for mutant, verdict, by in rows:
+        print(f"| `{mutant.name}` | {mutant.file} | {mutant.what} | {verdict} | {by} |")
     return 0
+
+
+def judge(code: int, output: str) -> tuple[str, str]:
+    """Only a test that ran and FAILED catches a mutant: pytest's exit 1 with a FAILED line.
+    A collection or import error (exit 2), an error in a fixture (an ERROR line, no FAILED)
+    or a timeout says the mutant broke something, not that a test noticed it."""
+    failed = [line.split(" - ")[0] for line in output.splitlines() if line.startswith("FAILED ")]
+    if code == 1 and failed:
+        return "caught", failed[0].removeprefix("FAILED ")
+    if code == 0:
+        return "missed", ""
+    errors = [line for line in output.splitlines() if line.startswith("ERROR ")]
+    why = errors[0] if errors else (output.strip().splitlines() or [""])[-1]
+    return "error", "timeout" if code == -1 else f"exit {code}, no test failed: {why}"
 
 
 if __name__ == "__main__":

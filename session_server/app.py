@@ -20,6 +20,7 @@ from session_server.api import (
     chat,
     completions,
     errors,
+    generate,
     health,
     messages,
     responses,
@@ -132,7 +133,7 @@ def create_app(settings: Settings, service: TurnService | None = None) -> FastAP
     )
     app.state.admission = admission
     errors.install(app)
-    for module in (chat, messages, responses, completions, sessions, health, viewer):
+    for module in (chat, messages, responses, completions, generate, sessions, health, viewer):
         app.include_router(module.router)
     # Innermost first: a request is admitted (bounded in-flight work) only after its
     # credentials are checked and its body size, and the access log (outermost) records

@@ -84,7 +84,6 @@ class Conversation:
     (temperature, top_p, top_k, min_p, max_tokens, seed, stop, presence_penalty, ...)."""
     n: int = 1
     logprobs: bool = False
-    top_logprobs: int = 0
     response_format: dict[str, Any] | None = None
     """vLLM structured-output constraint (`{"json": schema}`, `{"regex": ...}`...)."""
     stream: bool = False

@@ -54,7 +54,9 @@ class Settings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = 8000
     context_length: int | None = None
-    """Max model length; default: asked from the engine, else the tokenizer's."""
+    """Max model length (prompt + completion). Default: the tokenizer's `model_max_length`
+    (32768 where it has none, at most 2**20). The engine is not asked: set it to the
+    engine's `--max-model-len` where that is smaller."""
     session_ttl_seconds: int | None = 86400
     create_sessions_on_first_use: bool = True
     max_policy_lag: int | None = Field(default=None, ge=0)

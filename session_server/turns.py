@@ -30,6 +30,7 @@ import uuid
 from array import array
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, TypeVar
 
@@ -77,6 +78,10 @@ from session_server.store.base import (
     WeightSpan,
 )
 from session_server.streaming import ReplyStreamer
+
+# Set by the auth middleware for a request that a session key (not the admin key, not
+# protected mode) let in: such a request must never land in a re-created, keyless session.
+session_key_request: ContextVar[bool] = ContextVar("session_key_request", default=False)
 
 RESPONSE_KEY_PREFIX = "resp:"
 # Above these sizes a conversation's hashing and rendering run in a worker thread (the
@@ -435,11 +440,12 @@ class TurnService:
     def _forget(self, session_id: str) -> None:
         """The session is gone behind this process's cached metadata (deleted or expired
         through another replica). Raises SessionNotFound unless it may be created again on
-        first use: a session created with an API key never is (its key was checked against
-        the stale metadata; a fresh keyless session would take the request)."""
+        first use: never for a request its session key let in (the key was checked against
+        the stale metadata; a fresh keyless session would take the request). The admin, or
+        a loopback client in protected mode, gets a new session as for any unknown id."""
         cached = self._sessions.pop(session_id, None)
         self._records.pop(session_id, None)
-        if cached is None or cached.key_hash:
+        if cached is None or (cached.key_hash and session_key_request.get()):
             raise SessionNotFound(session_id)
 
     async def _plan_messages(

@@ -64,6 +64,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from tests.trajectory_values import EngineSample
+
 GENERATE_PATH = "/inference/v1/generate"
 COMPLETIONS_PATH = "/v1/completions"
 QWEN3_VOCAB_SIZE = 151936
@@ -209,6 +211,8 @@ class EngineDouble:
     report_prompt: Callable[[list[int]], list[int]] | None = None
     """Rewrites the prompt reported back to the client (the prompt generated from is not)."""
     requests: list[RecordedRequest] = field(default_factory=list)
+    samples: list[EngineSample] = field(default_factory=list)
+    """Every choice answered, as sent (`tests/trajectory_values.py` checks exports with it)."""
     port: int = 0
     _scripts: deque[Script] = field(default_factory=deque)
     _faults: deque[Fault] = field(default_factory=deque)
@@ -236,6 +240,7 @@ class EngineDouble:
             self._scripts.clear()
             self._faults.clear()
             self.requests.clear()
+            self.samples.clear()
             self.default = None
             self.healthy = True
             self.dev_mode = False
@@ -487,6 +492,15 @@ class EngineDouble:
                     [*prompt, *completion.token_ids], start, *self.routed_experts
                 )
             chosen.append(completion)
+            with self._lock:
+                self.samples.append(
+                    EngineSample(
+                        tuple(prompt),
+                        tuple(completion.token_ids),
+                        tuple(completion.logprob_values()),
+                        tuple(_span_tuples(completion)),
+                    )
+                )
         return chosen
 
     # --- /inference/v1/generate ---------------------------------------------------------
@@ -660,6 +674,10 @@ def _generate_logprobs(token_ids: list[int], values: list[float]) -> dict[str, A
             for token_id, value in zip(token_ids, values, strict=True)
         ]
     }
+
+
+def _span_tuples(completion: ScriptedCompletion) -> list[tuple[str, int, int]]:
+    return [(s["version"], s["start"], s["end"]) for s in _weight_versions(completion)]
 
 
 def _weight_versions(completion: ScriptedCompletion) -> list[dict[str, Any]]:

@@ -1,5 +1,6 @@
-"""Redis past one node, as real processes on loopback: a 3-master Cluster (built with
-`redis-cli --cluster create`) and a master + replica watched by 3 sentinels."""
+"""Redis past one node, as real processes on loopback: a Cluster of 3 masters, with or
+without replicas (built with `redis-cli --cluster create`), and a master + replica watched
+by 3 sentinels."""
 
 from __future__ import annotations
 
@@ -35,37 +36,103 @@ def _wait(check: object, what: str, timeout_s: float = 30) -> None:
     raise RuntimeError(f"{what} did not happen within {timeout_s} s")
 
 
-@contextmanager
-def redis_cluster(workdir: Path, masters: int = 3) -> Iterator[str]:
-    """A Redis Cluster of `masters` masters, no replicas; yields its redis+cluster:// URL."""
-    procs: list[subprocess.Popen[bytes]] = []
-    ports: list[int] = []
-    try:
-        for i in range(masters):
-            node_dir = workdir / f"node{i}"
-            node_dir.mkdir()
-            port = _port_with_bus()
-            proc, _ = start_redis_server(
-                node_dir,
-                port=port,
-                args=["--save", "", "--appendonly", "no", "--cluster-enabled", "yes",
-                      "--cluster-config-file", str(node_dir / "nodes.conf")],
+def _in_sync(primary: redis.Redis) -> int:
+    """How many replicas of `primary` finished their initial sync (state online)."""
+    info = primary.info("replication")
+    return sum(1 for i in range(info["connected_slaves"]) if info[f"slave{i}"]["state"] == "online")
+
+
+class Cluster:
+    """The nodes of a running Redis Cluster: `processes` by port, and how each was started."""
+
+    def __init__(self) -> None:
+        self.processes: dict[int, subprocess.Popen[bytes]] = {}
+        self._started: dict[int, tuple[Path, list[str]]] = {}
+
+    def start(self, port: int, node_dir: Path, args: list[str]) -> None:
+        self.processes[port], _ = start_redis_server(node_dir, port=port, args=args)
+        self._started[port] = (node_dir, args)
+
+    def restart(self, port: int) -> None:
+        """Start a killed node again from its nodes.conf: it rejoins as a replica of the
+        node that took its slots."""
+        self.start(port, *self._started[port])
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.processes)
+
+    def primary_of(self, key: str) -> int:
+        """The port of the primary serving `key`'s slot now."""
+        return self.serving(key)[0]
+
+    def serving(self, key: str) -> list[int]:
+        """The ports serving `key`'s slot now: its primary, then the replicas in sync with it
+        (asked of the primary: other nodes learn of replicas by gossip, later)."""
+        port = next(p for p, proc in self.processes.items() if proc.poll() is None)
+        client = redis.Redis(port=port)
+        try:
+            slot = client.cluster("keyslot", key)
+            primary = next(
+                int(node[1]) for start, end, node, *_ in client.cluster("slots")
+                if start <= slot <= end
             )  # fmt: skip
-            procs.append(proc)
-            ports.append(port)
+        finally:
+            client.close()
+        client = redis.Redis(port=primary)
+        try:
+            info = client.info("replication")
+        finally:
+            client.close()
+        replicas = (info[f"slave{i}"] for i in range(info["connected_slaves"]))
+        return [primary, *(int(r["port"]) for r in replicas if r["state"] == "online")]
+
+    def kill(self, port: int) -> None:
+        self.processes[port].kill()
+        self.processes[port].wait()
+
+
+@contextmanager
+def cluster(workdir: Path, masters: int = 3, replicas: int = 0) -> Iterator[Cluster]:
+    """A Redis Cluster of `masters` masters with `replicas` replicas each. With replicas,
+    nodes judge a peer failed after 2 s (`cluster-node-timeout`; Redis' default is 15 s), so
+    that a replica takes over a killed primary's slots within seconds."""
+    nodes = Cluster()
+    timeout = ["--cluster-node-timeout", "2000"] if replicas else []
+    try:
+        for i in range(masters * (1 + replicas)):
+            node_dir = workdir / f"node{i}"
+            node_dir.mkdir(parents=True)
+            nodes.start(
+                _port_with_bus(),
+                node_dir,
+                ["--save", "", "--appendonly", "no", "--cluster-enabled", "yes",
+                 "--cluster-config-file", str(node_dir / "nodes.conf"), *timeout],
+            )  # fmt: skip
         subprocess.run(
             [shutil.which("redis-cli") or "redis-cli", "--cluster", "create",
-             *(f"127.0.0.1:{p}" for p in ports), "--cluster-replicas", "0", "--cluster-yes"],
+             *(f"127.0.0.1:{p}" for p in nodes.processes), "--cluster-replicas", str(replicas),
+             "--cluster-yes"],
             check=True, capture_output=True, timeout=60,
         )  # fmt: skip
-        for port in ports:
+        for port in nodes.processes:
             client = redis.Redis(port=port)
             _wait(lambda c=client: c.cluster("info")["cluster_state"] == "ok", "cluster state ok")
+            if replicas and client.info("replication")["role"] == "master":
+                _wait(lambda c=client: _in_sync(c) >= replicas, "replicas in sync")
             client.close()
-        yield "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports)
+        yield nodes
     finally:
-        for proc in procs:
-            stop_redis_server(proc)
+        for proc in nodes.processes.values():
+            if proc.poll() is None:
+                stop_redis_server(proc)
+
+
+@contextmanager
+def redis_cluster(workdir: Path, masters: int = 3, replicas: int = 0) -> Iterator[str]:
+    """A Redis Cluster (see `cluster`); yields its redis+cluster:// URL."""
+    with cluster(workdir, masters, replicas) as nodes:
+        yield nodes.url
 
 
 class SentinelSet:

@@ -6,9 +6,10 @@ out the generation prompt would still be contiguous. This reference says what mu
 from the model's own chat template over the request as the harness sent it
 (`tokenizer.apply_chat_template`, not tokenkeep's splice or renderer):
 
-- the added tokens decode to exactly the tail of the template's rendering of the whole
-  request that follows the stored assistant turn's end-of-turn token (the framing of every
-  new message, then the generation prompt);
+- the added tokens are exactly the template's own tokens (`apply_chat_template` tokenizing
+  the whole request) after the stored assistant turn's end-of-turn token (the framing of
+  every new message, then the generation prompt), compared as token ids, not decoded text;
+  where that turn ends is found with a sentinel in its content, not by tokenkeep's rule;
 - every new message's text is in them, in order;
 - one rule of tokenkeep's own, named and checked exactly (`closing_rule`): a turn cut by
   `max_tokens` has no end-of-turn token, so tokenkeep closes it first (context, outside the
@@ -61,18 +62,53 @@ def _render(
     )
 
 
-def expected_suffix_text(
+SENTINEL = "TokenkeepSuffixSentinel"
+
+
+def expected_suffix_ids(
     model: ChatModel, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
-) -> str:
-    """The template's own text after the last assistant message's end-of-turn token."""
+) -> list[int]:
+    """The template's own tokens (its tokenization of the whole request) after the last
+    assistant message's end-of-turn token.
+
+    Where that turn ends is found without tokenkeep's rule (which counts end-of-turn tokens
+    in a render of the history): the last assistant message's content is replaced by a
+    sentinel in a text render, and the turn ends at the first end-of-turn token after it.
+    The tail that follows is the same text in the real render; its tokens are read off the
+    template's tokenization of the real request."""
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
     close = model.close_token_id
     assert close is not None
-    closed_turns = _render(model, messages[: last + 1], tools, generation_prompt=False).count(close)
+    close_text = model.tokenizer.convert_ids_to_tokens(close)
+    marked = copy.deepcopy(messages)
+    marked[last]["content"] = SENTINEL + _text(marked[last].get("content"))
+    text = _render_text(model, marked, tools)
+    if SENTINEL not in text and marked[last].get("tool_calls"):
+        # Templates that write only the tool calls of a calling turn (Llama 3): mark a call.
+        marked = copy.deepcopy(messages)
+        marked[last]["tool_calls"][-1]["function"]["name"] += SENTINEL
+        text = _render_text(model, marked, tools)
+    assert text.count(SENTINEL) == 1, "the template does not render the last assistant turn"
+    end = text.find(close_text, text.index(SENTINEL))
+    assert end >= 0, "the template does not close the stored turn"
+    tail = text[end + len(close_text) :]
     full = _render(model, messages, tools, generation_prompt=True)
-    positions = [i for i, t in enumerate(full) if t == close]
-    assert len(positions) >= closed_turns > 0, "the template does not close the stored turn"
-    return model.decode(full[positions[closed_turns - 1] + 1 :])
+    cuts = [i + 1 for i, t in enumerate(full) if t == close and model.decode(full[i + 1 :]) == tail]
+    assert len(cuts) == 1, f"the template's tokens hold the tail {tail!r} {len(cuts)} times"
+    return full[cuts[0] :]
+
+
+def _render_text(
+    model: ChatModel, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+) -> str:
+    return str(
+        model.tokenizer.apply_chat_template(
+            _as_template_messages(messages),
+            tools=tools,
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+    )
 
 
 def _text(content: Any) -> str:
@@ -125,11 +161,13 @@ def assert_suffix(
     added = prompt[len(stored) :]
     closing = closing_rule(model, sampled)
     assert added[: len(closing)] == closing, TRUNCATED_TURN_IS_CLOSED
-    text = model.decode(added[len(closing) :])
-    expected = expected_suffix_text(model, messages, tools)
-    assert text == expected, f"added tokens {text!r} are not the template's tail {expected!r}"
+    expected = expected_suffix_ids(model, messages, tools)
+    assert added[len(closing) :] == expected, (
+        f"added tokens {model.decode(added[len(closing) :])!r} are not the template's tail "
+        f"{model.decode(expected)!r} (as token ids)"
+    )
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-    _assert_carries(text, messages[last + 1 :])
+    _assert_carries(model.decode(expected), messages[last + 1 :])
 
 
 def generation_prompt_text(model: ChatModel) -> str:

@@ -55,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="how long a silent holder keeps the Lease before a standby takes it (default 15)",
     )
+    election.add_argument(
+        "--lease-forbidden-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="exit non-zero when RBAC has refused the Lease this long (default 30)",
+    )
     parser.add_argument("--debug", action="store_true", help="log Kopf's internals too")
     return parser
 
@@ -106,13 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     elector = None
     if not args.no_leader_election:
         from tokenkeep_operator.kube import Kube, load_config
-        from tokenkeep_operator.leader import LeaderElector
+        from tokenkeep_operator.leader import LeaderElector, LeaseForbidden
 
         elector = LeaderElector(
             Kube(load_config()),
             _lease_namespace(args.lease_namespace),
             args.lease_name,
             duration=args.lease_duration,
+            forbidden_timeout=args.lease_forbidden_timeout,
         )
         health = _standby_liveness(args.liveness)
         stopping = threading.Event()
@@ -120,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             if not elector.wait_for_leadership(stopping):
                 return 0  # stopped while on standby
+        except LeaseForbidden as forbidden:
+            # Not a standby: no other operator will ever let this one work.
+            logging.getLogger("tokenkeep_operator").error("cannot lead: %s", forbidden)
+            return 2
         except KeyboardInterrupt:
             return 0
         finally:

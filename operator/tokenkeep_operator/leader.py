@@ -9,6 +9,11 @@ process is a candidate again). A holder that stops cleanly releases the Lease so
 standby takes over at once.
 
 A standby makes no watches and no writes except its Lease reads: it is passive.
+
+A Lease the operator is forbidden to read or write (RBAC: 403) is not a standby: the error
+names the namespace and the verb, is logged once, and after `forbidden_timeout` seconds
+(RBAC created alongside the Deployment may take a moment to apply) `LeaseForbidden` ends the
+wait, so the process exits non-zero instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -29,6 +34,19 @@ from tokenkeep_operator.kube import Kube, error_message
 logger = logging.getLogger(__name__)
 
 
+class LeaseForbidden(Exception):
+    """RBAC forbids this operator a verb on its Lease (HTTP 403)."""
+
+    def __init__(self, namespace: str, name: str, verb: str, message: str) -> None:
+        super().__init__(
+            f"forbidden to {verb} Lease {namespace}/{name} (coordination.k8s.io): {message}; "
+            f"grant the operator's ServiceAccount get, create and update on leases in "
+            f"namespace {namespace!r}, or pass --lease-namespace"
+        )
+        self.namespace = namespace
+        self.verb = verb
+
+
 def _micro_time() -> str:
     return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
@@ -46,6 +64,7 @@ class LeaderElector:
         *,
         identity: str | None = None,
         duration: float = 15.0,
+        forbidden_timeout: float = 30.0,
     ) -> None:
         self.kube = kube
         self.namespace = namespace
@@ -55,6 +74,9 @@ class LeaderElector:
         self._observed: tuple[Any, ...] | None = None
         self._observed_at = 0.0
         self.renewed_at = 0.0
+        self.forbidden_timeout = forbidden_timeout
+        self.forbidden: LeaseForbidden | None = None
+        """The last attempt's 403, None once an attempt was allowed."""
 
     def _lease(self, spec: dict[str, Any], live: dict[str, Any] | None = None) -> dict[str, Any]:
         meta: dict[str, Any] = {"name": self.name, "namespace": self.namespace}
@@ -70,6 +92,7 @@ class LeaderElector:
     def try_acquire_or_renew(self) -> bool:
         now = time.monotonic()
         stamp = _micro_time()
+        verb = "get"
         try:
             live = self.kube.get("coordination.k8s.io/v1", "Lease", self.namespace, self.name)
             if live is None:
@@ -80,8 +103,10 @@ class LeaderElector:
                     "renewTime": stamp,
                     "leaseTransitions": 0,
                 }
+                verb = "create"
                 self.kube.create(self._lease(spec))
                 self.renewed_at = now
+                self.forbidden = None
                 return True
             spec = dict(live.get("spec") or {})
             holder = spec.get("holderIdentity") or ""
@@ -100,26 +125,48 @@ class LeaderElector:
                 leaseDurationSeconds=max(1, round(self.duration)),
                 renewTime=stamp,
             )
+            verb = "update"
             self.kube.replace(self._lease(spec, live))
             self.renewed_at = now
+            self.forbidden = None
             return True
         except ApiException as error:
+            if error.status == 403:
+                first = self.forbidden is None
+                self.forbidden = LeaseForbidden(
+                    self.namespace, self.name, verb, error_message(error)
+                )
+                if first:
+                    logger.error("lease: %s", self.forbidden)
+                return False
+            self.forbidden = None
             if error.status != 409:
                 logger.warning("lease %s/%s: %s", self.namespace, self.name, error_message(error))
             return False
         except (HTTPError, OSError) as error:  # the API server is unreachable: try again
+            self.forbidden = None
             logger.warning("lease %s/%s: %s", self.namespace, self.name, error)
             return False
 
     def wait_for_leadership(self, stop: threading.Event) -> bool:
-        """Block until this process holds the Lease (True) or `stop` is set (False)."""
+        """Block until this process holds the Lease (True) or `stop` is set (False). Raises
+        `LeaseForbidden` once RBAC has refused the Lease for `forbidden_timeout` seconds."""
         announced = False
+        forbidden_since: float | None = None
         while not stop.is_set():
             if self.try_acquire_or_renew():
                 logger.info(
                     "leading: lease %s/%s acquired as %s", self.namespace, self.name, self.identity
                 )
                 return True
+            if self.forbidden is not None:
+                now = time.monotonic()
+                forbidden_since = now if forbidden_since is None else forbidden_since
+                if now - forbidden_since >= self.forbidden_timeout:
+                    raise self.forbidden
+                stop.wait(min(self.duration / 5, self.forbidden_timeout))
+                continue
+            forbidden_since = None
             if not announced:
                 holder = self._observed[0] if self._observed else "?"
                 logger.info("standby: lease %s/%s is held by %s", self.namespace, self.name, holder)

@@ -38,11 +38,13 @@ from session_server.api.session_ids import (
     session_of_key,
 )
 from session_server.settings import Settings, is_loopback
-from session_server.turns import SessionMissing, TurnService
+from session_server.turns import SessionMissing, TurnService, session_key_request
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 ANY_CREDENTIAL_PATHS = frozenset({"/v1/models", "/tokenize", "/detokenize"})
-_SESSION_PATH = re.compile(r"^/sessions/([^/]*)/v1/")
+# A session's model APIs: the OpenAI/Anthropic ones under /v1/, vLLM's token-in generate
+# under /inference/v1/.
+_SESSION_PATH = re.compile(r"^/sessions/([^/]*)/(?:inference/)?v1/")
 
 
 def is_open(path: str) -> bool:
@@ -88,7 +90,11 @@ class Guard:
         except Exception as exc:  # the store could not be asked about a session key
             refusal = errors.classify(exc)[:2]
         if refusal is None:
-            await self.app(scope, receive, send)
+            marked = session_key_request.set(scope.get("tokenkeep.session_key", False))
+            try:
+                await self.app(scope, receive, send)
+            finally:
+                session_key_request.reset(marked)
             return
         status, message = refusal
         response = errors.error_response(Request(scope), status, message)
@@ -118,7 +124,7 @@ class Guard:
         path = scope["path"]
         if path in ANY_CREDENTIAL_PATHS:
             return None
-        if path.startswith("/v1/"):
+        if path.startswith(("/v1/", "/inference/v1/")):
             target = (headers.get("x-session-id") or "").strip() or holder
         elif match := _SESSION_PATH.match(path):
             target = match.group(1)
@@ -126,6 +132,7 @@ class Guard:
             return 403, "this endpoint needs the admin key; a session key opens its model APIs"
         if target != holder:
             return 403, "this API key opens only its own session"
+        scope["tokenkeep.session_key"] = True
         return None
 
     async def _key_session(self, key: str) -> str | None:

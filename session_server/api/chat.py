@@ -159,6 +159,14 @@ def _arguments(value: str | dict[str, Any]) -> str:
 
 
 def to_conversation(body: ChatCompletionRequest) -> Conversation:
+    if body.top_logprobs:
+        # The engine is asked for the sampled token's logprob only; answering `[]` where
+        # alternatives were asked for would look like a model that had none.
+        raise ConversationError(
+            "top_logprobs > 0 is not supported: logprobs: true returns the sampled tokens' "
+            "logprobs, without alternatives",
+            param="top_logprobs",
+        )
     messages: list[Message] = []
     for index, m in enumerate(body.messages):
         role = {"developer": "system", "function": "tool"}.get(m.role, m.role)
@@ -197,7 +205,6 @@ def to_conversation(body: ChatCompletionRequest) -> Conversation:
         sampling=sampling,
         n=body.n,
         logprobs=body.logprobs,
-        top_logprobs=body.top_logprobs or 0,
         response_format=body.structured_outputs or _structured(body.response_format),
         stream=body.stream,
         api="chat",

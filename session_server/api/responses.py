@@ -223,6 +223,7 @@ class ResponsesRequest(_Wire):
     metadata: dict[str, Any] | None = None
     background: bool = False
     include: list[str] = []
+    top_logprobs: int | None = None
     required_prefix_token_ids: TokenIds | None = None
     return_token_ids: bool | None = None
     """vLLM's name: the reply carries `prompt_token_ids` and `token_ids` (default: the
@@ -238,6 +239,15 @@ def conversation_from_request(
     """`reasoning` reads the sealed `encrypted_content` of resent reasoning items."""
     if request.background:
         raise ConversationError("background responses are not supported", param="background")
+    if request.top_logprobs or "message.output_text.logprobs" in request.include:
+        # An output_text part does not map onto the sampled tokens (reasoning and tool calls
+        # are sampled too); an empty list would read as "no logprobs". The exact values are
+        # in Chat Completions (`logprobs: true`) and in the trajectory export.
+        raise ConversationError(
+            "output_text logprobs are not supported on /v1/responses: use Chat Completions "
+            "with logprobs: true, or the session's trajectory export",
+            param="top_logprobs" if request.top_logprobs else "include",
+        )
     messages: list[Message] = []
     # A continued response's stored prompt already holds the instructions it was sampled
     # with (clients resend them on every call); only the new items are appended to it.

@@ -34,12 +34,14 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 import numpy as np
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.cluster import ClusterNode, PipelineCommand, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
 from redis.exceptions import (
+    AskError,
     ClusterDownError,
+    NoScriptError,
     OutOfMemoryError,
     ReadOnlyError,
     RedisClusterException,
@@ -87,8 +89,14 @@ class _ReplicasBehind(Exception):
     """WAIT saw fewer replicas than asked for (one is resyncing, or down)."""
 
 
+class _Rerouted(Exception):
+    """A Cluster write (with WAIT) reached a node that no longer serves the slot, or one that
+    lacks the script (a replica promoted since): sent again once the client caught up."""
+
+
 _TRANSIENT = (
     _ReplicasBehind,
+    _Rerouted,
     RedisConnectionError,
     RedisTimeoutError,
     ReadOnlyError,
@@ -195,8 +203,6 @@ class RedisStore:
         wait_timeout_ms: int = 1000,
     ) -> None:
         self._redis = connect(url, timeout_s=timeout_s)
-        if wait_replicas and isinstance(self._redis, RedisCluster):
-            raise ValueError("waiting for replicas (WAIT) is not supported with Redis Cluster")
         self._prefix = key_prefix
         self._retry_s = retry_s
         self._wait_replicas = wait_replicas
@@ -385,16 +391,54 @@ class RedisStore:
         creations by incarnation token), so WAIT never vouches for a write the new primary lacks."""
         if not self._wait_replicas:
             return await script(keys=keys, args=args)
-        async with self._redis.pipeline(transaction=False) as pipe:
-            await script(keys=keys, args=args, client=pipe)
-            pipe.execute_command("WAIT", self._wait_replicas, self._wait_timeout_ms)
-            reply, acked = await pipe.execute()
+        if isinstance(self._redis, RedisCluster):
+            reply, acked = await self._write_on_slot_primary(script, keys, args)
+        else:
+            async with self._redis.pipeline(transaction=False) as pipe:
+                await script(keys=keys, args=args, client=pipe)
+                pipe.execute_command("WAIT", self._wait_replicas, self._wait_timeout_ms)
+                reply, acked = await pipe.execute()
         if int(acked) < self._wait_replicas:
             raise _ReplicasBehind(
                 f"stored on the primary but {acked} of {self._wait_replicas} replicas "
                 f"confirmed it within {self._wait_timeout_ms} ms"
             )
         return reply
+
+    async def _write_on_slot_primary(
+        self, script: Any, keys: list[str], args: list[Any]
+    ) -> tuple[Any, Any]:
+        """EVALSHA + WAIT pipelined on one connection to the primary of the session's slot.
+        Not through redis-py's ClusterPipeline: it routes a keyless WAIT to every primary
+        (summing their counts), and when it re-sends a pipeline after a connection error it has
+        dropped the `target_nodes` that pinned WAIT, so a count could come from a node that
+        never saw the write. Here nothing is re-sent by the client: a fault marks the slot map
+        stale and RedisStore._call sends both again, to whichever node holds the slot then."""
+        await self._redis.initialize()  # no-op unless a fault marked the slot map stale
+        node = self._redis.get_node_from_key(keys[0])
+        commands = [
+            PipelineCommand(0, "EVALSHA", script.sha, len(keys), *keys, *args),
+            PipelineCommand(1, "WAIT", self._wait_replicas, self._wait_timeout_ms),
+        ]
+        try:
+            await node.execute_pipeline(commands)
+        except (RedisConnectionError, RedisTimeoutError, OSError):
+            # The next attempt goes where the slot map read now says (redis-py's aclose()
+            # would also cut the connections of concurrent commands).
+            await self._redis.nodes_manager.initialize()
+            raise
+        reply, acked = commands[0].result, commands[1].result
+        if isinstance(reply, NoScriptError):
+            await self._redis.script_load(script.script)  # on every primary
+            raise _Rerouted(f"script not loaded on {node.name}")
+        for result in (reply, acked):
+            if isinstance(result, AskError | ClusterDownError | TryAgainError | OSError
+                          | RedisConnectionError | RedisTimeoutError | ReadOnlyError):  # fmt: skip
+                await self._redis.nodes_manager.initialize()
+                raise _Rerouted(f"{node.name}: {_reason(result)}")
+            if isinstance(result, Exception):
+                raise result
+        return reply, acked
 
     async def _read(self, session_id: str, key: str, command: str, *args: str | int) -> Any:
         """Run one read command on a session key, raising SessionNotFound if the session is

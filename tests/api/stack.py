@@ -27,6 +27,7 @@ from session_server.turns import Plan, TurnService
 from tests.engine_double import EngineDouble, RecordedRequest, ScriptedCompletion
 from tests.real_tokenizers import qwen3_dir
 from tests.suffix_reference import assert_suffix, assert_suffix_carries
+from tests.trajectory_values import assert_trajectory_values
 
 BASE = "http://tokenkeep.test"
 
@@ -108,6 +109,29 @@ class Stack:
             response = await http.get(path)
             response.raise_for_status()
             return response.json()
+
+    async def trajectory(self, session_id: str, *, every_sample: bool = False) -> Any:
+        """The session's export, its values checked against what the double sampled
+        (`tests/trajectory_values.py`); `every_sample`: the stack served only this session."""
+        trajectory = await self.get(f"/sessions/{session_id}/trajectory")
+        assert_trajectory_values(trajectory, self.double.samples, every_sample=every_sample)
+        return trajectory
+
+    def assert_engine_got(self, *texts: str) -> None:
+        """The tokens the last engine request added after the turn before it hold each of
+        `texts`, in order. The test reads them off its own wire request: the suffix reference
+        (`assert_suffixes`) is given tokenkeep's translation, which cannot catch a front-end
+        that loses part of a message."""
+        requests = self.engine_requests()
+        before, last = requests[-2:]
+        stored = before.prompt_ids + self.sent[len(requests) - 2].token_ids
+        assert last.prompt_ids[: len(stored)] == stored
+        added = qwen3().decode(last.prompt_ids[len(stored) :])
+        position = 0
+        for text in texts:
+            found = added.find(text, position)
+            assert found >= 0, f"{text!r} is not in what the engine got: {added!r}"
+            position = found + len(text)
 
     def engine_requests(self) -> list[RecordedRequest]:
         return list(self.double.requests)

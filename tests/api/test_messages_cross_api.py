@@ -108,7 +108,7 @@ async def test_chat_then_messages_then_responses(double: EngineDouble) -> None:
         assert response.output_text == "Both are mild."
 
         stack.assert_contiguous()
-        trajectory = await stack.get(f"/sessions/{session}/trajectory")
+        trajectory = await stack.trajectory(session, every_sample=True)
         [branch] = trajectory["branches"]
         [segment] = branch["segments"]
         assert [(t["kind"], t["api"]) for t in segment["turns"]] == [

@@ -51,7 +51,7 @@ def echoed(message: Any) -> dict[str, Any]:
 
 
 async def single_segment(stack: Stack, session_id: str) -> dict[str, Any]:
-    trajectory = await stack.get(f"/sessions/{session_id}/trajectory")
+    trajectory = await stack.trajectory(session_id)
     [branch] = trajectory["branches"]
     [segment] = branch["segments"]
     last = stack.engine_requests()[-1]
@@ -98,7 +98,15 @@ async def test_tool_loop_is_contiguous(double: EngineDouble, stream: bool) -> No
             {
                 "role": "user",
                 "content": [
-                    {"type": "tool_result", "tool_use_id": second.content[1].id, "content": "20C"}
+                    {
+                        "type": "tool_result",
+                        "tool_use_id": second.content[1].id,
+                        # A result in blocks: every block reaches the engine.
+                        "content": [
+                            {"type": "text", "text": "20C"},
+                            {"type": "text", "text": "light wind"},
+                        ],
+                    }
                 ],
             },
         ]
@@ -116,6 +124,7 @@ async def test_tool_loop_is_contiguous(double: EngineDouble, stream: bool) -> No
             assert third.model_extra["token_ids"] == stack.sent[-1].token_ids
 
         stack.assert_contiguous()
+        stack.assert_engine_got("20C", "light wind")  # every block of the tool result
         segment = await single_segment(stack, "msg-loop")
         assert [t["kind"] for t in segment["turns"]] == ["first", "extend", "extend"]
         assert {t["api"] for t in segment["turns"]} == {"messages"}

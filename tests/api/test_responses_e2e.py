@@ -59,7 +59,7 @@ def outputs_for(response: Any, results: dict[str, str]) -> list[dict[str, Any]]:
 
 
 async def single_segment(stack: Stack, session_id: str) -> dict[str, Any]:
-    trajectory = await stack.get(f"/sessions/{session_id}/trajectory")
+    trajectory = await stack.trajectory(session_id)
     [branch] = trajectory["branches"]
     [segment] = branch["segments"]
     assert segment["token_ids"] == stack.engine_requests()[-1].prompt_ids + stack.sent[-1].token_ids
@@ -91,6 +91,7 @@ async def test_resent_items_loop_is_contiguous(double: EngineDouble, stream: boo
         if not stream:
             assert second.model_extra["token_ids"] == stack.sent[-1].token_ids
         stack.assert_contiguous()
+        stack.assert_engine_got("18C")  # the function_call_output, as the client sent it
         segment = await single_segment(stack, "resp-items")
         assert [t["kind"] for t in segment["turns"]] == ["first", "extend"]
         assert {t["api"] for t in segment["turns"]} == {"responses"}
@@ -112,6 +113,7 @@ async def test_previous_response_id_loop_is_contiguous(double: EngineDouble, str
         assert second.previous_response_id == first.id
         assert second.output_text == "Paris is 18C."
         stack.assert_contiguous()
+        stack.assert_engine_got("18C")
         await single_segment(stack, "resp-chain")
 
 

@@ -19,6 +19,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from tests.trajectory_values import EngineSample
+
 GENERATE_PATH = "/inference/v1/generate"
 
 
@@ -34,12 +36,29 @@ class Exchange:
     """The images sent with the prompt (vLLM's `content_parts`)."""
     mm_placeholders: dict[str, list[dict[str, int]]] | None = None
     """Where vLLM reports it put them in the expanded prompt."""
+    logprobs: dict[int, list[float]] = field(default_factory=dict)
+    weight_versions: dict[int, list[tuple[str, int, int]]] = field(default_factory=dict)
+
+    def samples(self) -> list[EngineSample]:
+        """Each choice as vLLM returned it, for `tests/trajectory_values.py`."""
+        return [
+            EngineSample(
+                tuple(self.sent_prompt),
+                tuple(tokens),
+                tuple(self.logprobs.get(index, ())),
+                tuple(self.weight_versions.get(index, ())),
+            )
+            for index, tokens in sorted(self.sampled.items())
+        ]
 
 
 @dataclass
 class Relay:
     engine_url: str
     exchanges: list[Exchange] = field(default_factory=list)
+
+    def samples(self) -> list[EngineSample]:
+        return [sample for exchange in self.exchanges for sample in exchange.samples()]
 
     def app(self) -> Starlette:
         client = httpx.AsyncClient(base_url=self.engine_url, timeout=600)
@@ -110,4 +129,11 @@ def _record(exchange: Exchange, body: bytes) -> None:
             exchange.reported_prompt = list(payload["prompt_token_ids"])
             exchange.mm_placeholders = payload.get("mm_placeholders")
         for choice in payload.get("choices") or ():
-            exchange.sampled.setdefault(choice["index"], []).extend(choice.get("token_ids") or [])
+            index = choice["index"]
+            exchange.sampled.setdefault(index, []).extend(choice.get("token_ids") or [])
+            content = (choice.get("logprobs") or {}).get("content") or ()
+            exchange.logprobs.setdefault(index, []).extend(entry["logprob"] for entry in content)
+            for span in choice.get("weight_versions") or ():
+                exchange.weight_versions.setdefault(index, []).append(
+                    (span["version"], span["start"], span["end"])
+                )

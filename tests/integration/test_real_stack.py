@@ -19,6 +19,7 @@ from tests.integration.conftest import TALLY, RealStack
 from tests.integration.relay import Exchange
 from tests.session.adversarial import naive_prompt
 from tests.suffix_reference import assert_suffix
+from tests.trajectory_values import assert_trajectory_values
 
 pytestmark = pytest.mark.vllm
 
@@ -220,7 +221,12 @@ def test_tool_conversation_is_token_exact_against_vllm(real_stack: RealStack, se
     [segment] = branch["segments"]
     last = turns[-1]
     assert segment["token_ids"] == last.prompt_ids + last.completion_ids
-    assert sum(segment["loss_mask"]) == sum(len(t.completion_ids) for t in turns)
+    # Every sampled position carries vLLM's own logprob and policy version for its token, and
+    # only those positions are marked for the loss (the relay read them off vLLM's answers).
+    samples = [sample for turn in turns for sample in turn.exchange.samples()]
+    assert all(len(s.logprobs) == len(s.token_ids) for s in samples)
+    checked = assert_trajectory_values(trajectory, samples, every_sample=True)
+    assert checked == sum(len(t.completion_ids) for t in turns)
 
 
 def test_structured_output_applies_from_the_first_token_when_asked(

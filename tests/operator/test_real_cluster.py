@@ -525,6 +525,35 @@ def test_sessionserver_gets_a_generated_admin_key(
     assert conditions(admin.get(ss_path(ns, "rollouts")))["Degraded"][0] == "False"
 
 
+def test_a_forbidden_lease_is_an_error_not_a_standby(
+    cluster: Cluster, operator_kubeconfig: Path, tmp_path: Path
+) -> None:
+    """The chart grants the Lease in the operator's own namespace only: pointed at another,
+    the API server answers 403. That is no standby (no other operator will ever let it work):
+    one error naming the namespace and the verb, and a non-zero exit after the bounded wait."""
+    forbidden = OperatorProcess(
+        operator_kubeconfig,
+        tmp_path / "forbidden.log",
+        "--lease-namespace=default",
+        "--lease-forbidden-timeout=3",
+    ).start()
+    assert forbidden.process is not None
+    try:
+        code = forbidden.process.wait(timeout=60)
+    finally:
+        if forbidden.process.poll() is None:
+            forbidden.stop()
+    output = forbidden.output()
+    assert code == 2, output
+    refusal = "forbidden to get Lease default/tokenkeep-operator"
+    # Logged when first refused, then once more as the reason it exits: not every 3 s.
+    assert output.count(refusal) == 2, output
+    assert "cannot lead: " + refusal in output
+    assert 'in namespace "default"' in output or "in namespace 'default'" in output
+    assert "standby" not in output
+    assert "Traceback" not in output, output
+
+
 def test_a_second_operator_stays_passive_until_the_first_stops(
     cluster: Cluster,
     admin: Api,

@@ -102,6 +102,31 @@ def test_session_key_cannot_touch_another_session(two_sessions: LiveServer) -> N
     assert two_sessions.turns("alice") >= 1
 
 
+def test_generate_route_is_guarded_like_the_model_apis(two_sessions: LiveServer) -> None:
+    """vLLM's token-in route (verifiers' TrainClient) at a session URL and bare."""
+    key = two_sessions.sessions["alice"]
+    body = {"model": "m", "token_ids": [9707, 11, 1879], "sampling_params": {"max_tokens": 5}}
+    before = two_sessions.turns("bob")
+    alice = two_sessions.turns("alice")
+    with two_sessions.client(key) as client:
+        own = client.post("/sessions/alice/inference/v1/generate", json=body)
+        assert own.status_code == 200, own.text
+        bare = client.post("/inference/v1/generate", json=body)  # the key names the session
+        assert bare.status_code == 200, bare.text
+        for path, headers in [
+            ("/sessions/bob/inference/v1/generate", {}),
+            ("/inference/v1/generate", {"X-Session-ID": "bob"}),
+        ]:
+            response = client.post(path, json=body, headers=headers)
+            assert response.status_code == 403, (path, response.text)
+            assert response.json()["error"]["type"] == "permission_error"
+    with httpx.Client(base_url=two_sessions.url) as anonymous:
+        response = anonymous.post("/sessions/alice/inference/v1/generate", json=body)
+        assert response.status_code == 401, response.text
+    assert two_sessions.turns("bob") == before
+    assert two_sessions.turns("alice") == alice + 2
+
+
 def test_wrong_missing_and_derived_keys_are_refused(two_sessions: LiveServer) -> None:
     before = two_sessions.turns("alice")
     alice = two_sessions.sessions["alice"]

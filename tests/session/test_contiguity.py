@@ -17,6 +17,7 @@ from tests.session.adversarial import (
 )
 from tests.session.conftest import Stack
 from tests.suffix_reference import assert_suffix
+from tests.trajectory_values import assert_trajectory_values
 
 SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
 
@@ -71,6 +72,11 @@ def test_next_prompt_extends_sampled_tokens(stack: Stack, scenario: Scenario) ->
     stored = run["prompt1"] + run["sampled"]
     assert_suffix(stack.model, run["prompt2"], stored, run["sampled"], run["history"], run["tools"])
     assert run["second"].model_extra["tokenkeep"]["kind"] == "extend"
+    # What a trainer gets: every sampled token with the engine's logprob and version, and
+    # nothing else marked for the loss.
+    trajectory = stack.trajectory(f"contig-{scenario.name}")
+    checked = assert_trajectory_values(trajectory, stack.double.samples, every_sample=True)
+    assert checked == len(run["sampled"]) + len(run["second"].choices[0].token_ids)
     if scenario.naive_breaks:
         naive = naive_prompt(stack.model, run["history"], run["tools"])
         assert naive[: len(stored)] != stored, "a full re-render would not have broken this"
@@ -120,7 +126,5 @@ def test_trajectory_is_one_contiguous_segment_with_loss_mask(stack: Stack) -> No
     assert mask[p1 : p1 + s1] == [1] * s1
     assert mask[p1 + s1] == 0  # the synthesized close of the truncated turn
     assert sum(mask) == s1 + len(second_completion)
-    logprobs = segment["logprobs"]
-    assert all(lp is None for lp, m in zip(logprobs, mask, strict=True) if m == 0)
-    assert all(isinstance(lp, float) for lp, m in zip(logprobs, mask, strict=True) if m == 1)
+    assert_trajectory_values(trajectory, stack.double.samples, every_sample=True)
     assert [t["finish_reason"] for t in segment["turns"]] == ["length", "stop"]

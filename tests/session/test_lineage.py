@@ -15,6 +15,8 @@ from session_server.store.redis import RedisStore
 from tests.engine_double import ScriptedCompletion
 from tests.session.adversarial import END, TOOLS, naive_prompt, reply_as_harness_sends, tokens
 from tests.session.conftest import Stack
+from tests.suffix_reference import assert_suffix
+from tests.trajectory_values import assert_trajectory_values
 
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
 
@@ -80,21 +82,48 @@ def test_fork_continues_an_inner_turn(stack: Stack) -> None:
     first = client.chat.completions.create(model="m", messages=USER, tools=TOOLS)
     reply = reply_as_harness_sends(first.choices[0].message)
     call_id = first.choices[0].message.tool_calls[0].id
+    sent = []
     for result in ('{"temp_c": 21}', '{"error": "timeout"}'):
         _say(stack, "Done")
-        client.chat.completions.create(
-            model="m",
-            tools=TOOLS,
-            messages=[*USER, reply, {"role": "tool", "tool_call_id": call_id, "content": result}],
-        )
-    kinds = [
-        t["kind"] for br in stack.trajectory("fork")["branches"] for t in br["segments"][0]["turns"]
-    ]
-    assert kinds.count("fork") == 1 and kinds.count("extend") == 1
+        messages = [*USER, reply, {"role": "tool", "tool_call_id": call_id, "content": result}]
+        sent.append(messages)
+        client.chat.completions.create(model="m", tools=TOOLS, messages=messages)
+    trajectory = stack.trajectory("fork")
     p1, p2, p3 = stack.prompts()
-    assert p2[: len(p1) + len(call)] == p1 + call
-    assert p3[: len(p1) + len(call)] == p1 + call
-    assert p2 != p3
+    # Each branch continues the tool call with the template's own tokens for ITS result.
+    for prompt, messages in zip((p2, p3), sent, strict=True):
+        assert_suffix(stack.model, prompt, p1 + call, call, messages, TOOLS)
+    assert_trajectory_values(trajectory, stack.double.samples, every_sample=True)
+    kinds = [t["kind"] for br in trajectory["branches"] for t in br["segments"][0]["turns"]]
+    assert kinds.count("fork") == 1 and kinds.count("extend") == 1
+
+
+def test_a_tool_call_with_edited_arguments_is_not_the_sampled_turn(stack: Stack) -> None:
+    """A harness that rewrites a call's arguments (not only their spelling) sends history
+    the model did not sample: the engine must get the request's call, not the stored one."""
+    client = stack.openai("edited-args")
+    call = _say(
+        stack,
+        "<tool_call>",
+        "\n",
+        '{"name":"get_weather","arguments":{"city":"Paris"}}',
+        "\n",
+        "</tool_call>",
+    )
+    first = client.chat.completions.create(model="m", messages=USER, tools=TOOLS)
+    echoed = reply_as_harness_sends(first.choices[0].message)
+    echoed["tool_calls"][0]["function"]["arguments"] = '{"city": "Lyon"}'
+    result = {"role": "tool", "tool_call_id": echoed["tool_calls"][0]["id"], "content": "21C"}
+    _say(stack, "Done")
+    second = client.chat.completions.create(
+        model="m", tools=TOOLS, messages=[*USER, echoed, result]
+    )
+    p1, p2 = stack.prompts()
+    assert p2[: len(p1) + len(call)] != p1 + call  # the sampled Paris call is not continued
+    sent = stack.model.decode(p2)
+    assert '"Lyon"' in sent and '"Paris"' not in sent
+    assert second.model_extra["tokenkeep"]["kind"] == "rewrite"
+    assert_trajectory_values(stack.trajectory("edited-args"), stack.double.samples)
 
 
 def test_edited_history_starts_a_new_segment_with_its_reason(stack: Stack) -> None:

@@ -21,6 +21,8 @@ from tests.live_server import serving
 from tests.session.adversarial import END, tokens
 
 USER = [{"role": "user", "content": "Name a colour."}]
+ADMIN = "admin-key-for-replica-tests"
+AS_ADMIN = {"Authorization": f"Bearer {ADMIN}"}
 
 
 @pytest.fixture
@@ -33,6 +35,7 @@ def replicas(
         model=engine_double.model,
         tokenizer=str(qwen3_model.tokenizer.name_or_path),
         context_length=engine_double.max_model_len,
+        admin_key=ADMIN,
     )
     apps = [
         create_app(
@@ -50,8 +53,12 @@ def replicas(
         yield [a, b]
 
 
-def _chat(url: str, session_id: str, key: str | None = None) -> httpx.Response:
-    headers = {"Idempotency-Key": key} if key else {}
+def _chat(
+    url: str, session_id: str, key: str | None = None, credential: str = ADMIN
+) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {credential}"}
+    if key:
+        headers["Idempotency-Key"] = key
     with httpx.Client(base_url=url, timeout=30) as client:
         return client.post(
             f"/sessions/{session_id}/v1/chat/completions",
@@ -71,7 +78,7 @@ def test_concurrent_resends_through_two_replicas_are_one_root(
     finally:
         engine_double.latency_s = 0.0
     assert sorted(a.json()["tokenkeep"]["kind"] for a in answers) == ["first"] + ["retry"] * 5
-    with httpx.Client(base_url=replicas[0]) as client:
+    with httpx.Client(base_url=replicas[0], headers=AS_ADMIN) as client:
         assert client.get("/sessions/x").json()["turns_by_kind"] == {"first": 1, "retry": 5}
 
 
@@ -87,7 +94,7 @@ def test_idempotency_key_resend_through_another_replica_waits_for_the_first(
         engine_double.latency_s = 0.0
     ids = {a.json()["id"] for a in answers}
     assert len(ids) == 1 and len(engine_double.requests) == 1
-    with httpx.Client(base_url=replicas[1]) as client:
+    with httpx.Client(base_url=replicas[1], headers=AS_ADMIN) as client:
         assert client.get("/sessions/k").json()["turns"] == 1
 
 
@@ -95,14 +102,20 @@ def test_a_session_deleted_through_one_replica_is_refused_by_the_other(
     replicas: list[str], qwen3_model: ChatModel, engine_double: EngineDouble
 ) -> None:
     a, b = replicas
-    with httpx.Client(base_url=a) as client:
+    with httpx.Client(base_url=a, headers=AS_ADMIN) as client:
         session = client.post("/sessions", json={"id": "gone"}).json()
     engine_double.script(ScriptedCompletion(tokens(qwen3_model, "Hi", END)))
-    assert _chat(b, "gone").status_code == 200  # b now holds the session's metadata
-    with httpx.Client(base_url=a) as client:
+    key = session["api_key"]
+    # b now holds the session's metadata, and has checked the key against it
+    assert _chat(b, "gone", credential=key).status_code == 200
+    with httpx.Client(base_url=a, headers=AS_ADMIN) as client:
         assert client.delete("/sessions/gone").status_code == 204
-    refused = _chat(b, "gone")
+    refused = _chat(b, "gone", credential=key)
     assert refused.status_code == 404, refused.text
-    with httpx.Client(base_url=b) as client:
+    with httpx.Client(base_url=b, headers=AS_ADMIN) as client:
         assert client.get("/sessions/gone").status_code == 404  # nothing re-created
-    assert session["api_key"]
+    # The admin reaching the id afterwards gets a new session, as for any unknown id.
+    engine_double.script(ScriptedCompletion(tokens(qwen3_model, "Hi", END)))
+    again = _chat(b, "gone")
+    assert again.status_code == 200, again.text
+    assert again.json()["tokenkeep"]["kind"] == "first"

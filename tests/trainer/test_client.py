@@ -4,6 +4,7 @@ port, both stores, the engine double behind it), and the batch export's bad inpu
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import numpy as np
 import openai
@@ -11,7 +12,35 @@ import pytest
 
 from tests.session.conftest import Stack
 from tests.trainer.test_weight_versions import said
+from tests.trajectory_values import assert_trajectory_values
 from tokenkeep import AsyncClient, Batch, Client, TokenkeepError, Trajectory
+
+
+def as_exported(trajectory: Trajectory) -> dict[str, Any]:
+    """The client's typed trajectory, read through the arrays a trainer uses, in the export's
+    JSON shape for `assert_trajectory_values`."""
+    return {
+        "branches": [
+            {
+                "segments": [
+                    {
+                        "token_ids": segment.arrays().token_ids.tolist(),
+                        "loss_mask": segment.arrays().loss_mask.tolist(),
+                        "logprobs": [
+                            None if np.isnan(v) else v for v in segment.arrays().logprobs.tolist()
+                        ],
+                        "weight_versions": [
+                            {"version": s.version, "start": s.start, "end": s.end}
+                            for s in segment.weight_versions
+                        ],
+                        "turns": segment.turns,
+                    }
+                    for segment in branch.segments
+                ]
+            }
+            for branch in trajectory.branches
+        ]
+    }
 
 
 def rollout(stack: Stack, client: Client, run: str, reward: float | None) -> str:
@@ -44,9 +73,11 @@ def test_a_rollout_from_creation_to_arrays(stack: Stack) -> None:
         assert (
             arrays.token_ids.tolist() == stack.prompts()[-1] + said(stack, "Forty-two.").token_ids
         )
-        sampled = arrays.loss_mask == 1
-        assert np.isnan(arrays.logprobs[~sampled]).all()
-        assert not np.isnan(arrays.logprobs[sampled]).any()
+        # The arrays a trainer feeds on hold the engine's values, position by position.
+        checked = assert_trajectory_values(
+            as_exported(trajectory), stack.double.samples, every_sample=True
+        )
+        assert checked == len(said(stack, "Forty-two.").token_ids)
         assert [s.version for s in segment.weight_versions] == ["default"]
 
         finish = client.finish(session.id, reward=1.0, metadata={"judge": "exact"})
@@ -88,6 +119,12 @@ def test_a_batch_of_rollouts_as_padded_arrays(memory_stack: Stack) -> None:
         assert batch.token_ids[i, : len(tokens)].tolist() == tokens
         assert (batch.token_ids[i, len(tokens) :] == -1).all()
         assert batch.attention_mask[i].sum() == len(tokens)
+        arrays = trajectory.branches[0].segments[0].arrays()
+        assert batch.loss_mask[i, : len(tokens)].tolist() == arrays.loss_mask.tolist()
+        np.testing.assert_array_equal(batch.logprobs[i, : len(tokens)], arrays.logprobs)
+    # Each padded row holds the values the engine sampled for that session.
+    for trajectory in trajectories:
+        assert_trajectory_values(as_exported(trajectory), memory_stack.double.samples)
 
 
 def test_bad_batches_are_refused_before_anything_is_sent(stack: Stack) -> None:

@@ -12,6 +12,7 @@ import httpx
 from session_server.engines import EngineClient
 from tests.engine_double import EngineDouble, ScriptedCompletion
 from tests.session.conftest import Stack
+from tests.trajectory_values import assert_trajectory_values
 
 
 def said(stack: Stack, text: str, **options: Any) -> ScriptedCompletion:
@@ -54,7 +55,9 @@ def only_segment(trajectory: dict[str, Any]) -> dict[str, Any]:
 def test_a_version_change_between_turns_shows_on_the_sampled_spans(stack: Stack) -> None:
     sid = uuid.uuid4().hex
     two_turns(stack, sid)
-    segment = only_segment(stack.trajectory(sid))
+    trajectory = stack.trajectory(sid)
+    assert_trajectory_values(trajectory, stack.double.samples, every_sample=True)
+    segment = only_segment(trajectory)
     first, second = segment["turns"]
     assert segment["weight_versions"] == [
         {"version": "1", "start": first["completion_span"][0], "end": first["completion_span"][1]},
@@ -75,7 +78,9 @@ def test_a_version_change_between_turns_shows_on_the_sampled_spans(stack: Stack)
 def test_streamed_turns_keep_their_versions(memory_stack: Stack) -> None:
     sid = uuid.uuid4().hex
     two_turns(memory_stack, sid, stream=True)
-    assert only_segment(memory_stack.trajectory(sid))["versions"] == ["1", "2"]
+    trajectory = memory_stack.trajectory(sid)
+    assert only_segment(trajectory)["versions"] == ["1", "2"]
+    assert_trajectory_values(trajectory, memory_stack.double.samples, every_sample=True)
 
 
 def test_a_turn_sampled_across_an_update_keeps_both_spans(memory_stack: Stack) -> None:
@@ -87,7 +92,9 @@ def test_a_turn_sampled_across_an_update_keeps_both_spans(memory_stack: Stack) -
     memory_stack.openai(sid).chat.completions.create(
         model="m", messages=[{"role": "user", "content": "Go."}]
     )
-    segment = only_segment(memory_stack.trajectory(sid))
+    trajectory = memory_stack.trajectory(sid)
+    assert_trajectory_values(trajectory, memory_stack.double.samples, every_sample=True)
+    segment = only_segment(trajectory)
     start = segment["turns"][0]["completion_span"][0]
     assert segment["weight_versions"] == [
         {"version": "4", "start": start, "end": start + 3},
