@@ -26,7 +26,8 @@ train: $(STAMP) engine
 # The real vLLM CPU engine for the `vllm` tier: installed here, not inside a pytest fixture,
 # so the first (several-minute) install shows its progress. Cached; TOKENKEEP_SKIP_VLLM=1 skips.
 engine: $(STAMP)
-	@if [ "$${TOKENKEEP_SKIP_VLLM:-0}" != 1 ]; then $(VENV)/bin/tokenkeep engine build-model; fi
+	@if [ "$${TOKENKEEP_SKIP_VLLM:-0}" != 1 ]; then $(VENV)/bin/tokenkeep engine build-model && \
+		$(VENV)/bin/tokenkeep engine build-model --model tiny-qwen3-vl; fi
 
 # Debian's Chromium for the viewer's browser tests (tests/viewer/); nothing downloads a browser.
 browser:

@@ -40,6 +40,7 @@ import httpx
 
 from session_server import __version__
 from session_server.engines import EngineChoice, Generation, GenerationDelta, StreamStart
+from session_server.images import ImageInput
 from session_server.settings import Settings
 from session_server.splice import GENERIC, ChatModel
 
@@ -369,8 +370,10 @@ class ScriptedEngine:
         sampling: dict[str, Any],
         *,
         reasoning_ended: bool | None = None,
+        images: tuple[ImageInput, ...] = (),
         prompt_json: bytes | None = None,
     ) -> Generation:
+        # `images`: the check's scenarios carry none (the engine would expand them).
         c = self._next(prompt_ids)
         choice = EngineChoice(
             0, list(c.token_ids), [-0.1] * len(c.token_ids), c.finish_reason, None
@@ -384,6 +387,7 @@ class ScriptedEngine:
         sampling: dict[str, Any],
         *,
         reasoning_ended: bool | None = None,
+        images: tuple[ImageInput, ...] = (),
         prompt_json: bytes | None = None,
     ) -> AsyncIterator[StreamStart | GenerationDelta]:
         c = self._next(prompt_ids)

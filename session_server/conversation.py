@@ -16,11 +16,17 @@ import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import re2
 
+if TYPE_CHECKING:
+    from session_server.images import ImageInput
+
 Role = Literal["system", "user", "assistant", "tool"]
+IMAGE_MARK = "\ufffc"
+"""Where an image sits in a message's text (U+FFFC OBJECT REPLACEMENT CHARACTER): the i-th
+mark is `Message.images[i]`. Front-ends refuse client text that contains it."""
 ROLES: frozenset[str] = frozenset({"system", "user", "assistant", "tool"})
 
 
@@ -44,6 +50,8 @@ class Message:
     """Token-aware clients: the prompt this assistant message was sampled from."""
     generation_token_ids: list[int] | None = None
     """Token-aware clients: the tokens sampled for this assistant message."""
+    images: list[ImageInput] = field(default_factory=list)
+    """The images of a user or tool message, in order (one `IMAGE_MARK` each in `content`)."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -104,7 +112,9 @@ class Idempotency:
 
 
 class ConversationError(ValueError):
-    """A request the core cannot accept (maps to HTTP 400 in every front-end)."""
+    """A request the core cannot accept (maps to HTTP `status`, 400, in every front-end)."""
+
+    status = 400
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -187,6 +197,8 @@ def _canonical(value: Any) -> str:
 def message_fingerprint(message: Message, rules: list[Rule] | None = None) -> bytes:
     """What must be equal for two messages to be the same turn of history."""
     parts: list[str] = [message.role, canonical_text(message.content, rules)]
+    # An image is its bytes' hash: the same screenshot resent continues the session.
+    parts.extend(image.sha256 for image in message.images)
     if message.role == "assistant":
         # Reasoning is ignored: templates drop it from earlier turns, and the stored tokens
         # hold what was really sampled anyway.
@@ -213,7 +225,7 @@ def message_digest(message: Message, rules: list[Rule] | None = None) -> bytes:
     """A short hash of the message's fingerprint. Memoised (without rules): every request
     resends the whole history, so a long session would otherwise canonicalise and hash the
     same tool outputs once per message per turn."""
-    if rules:
+    if rules or message.images:
         return _hash(message_fingerprint(message, rules))
     calls = tuple((c.name, c.arguments) for c in message.tool_calls)
     return _memo_digest(message.role, message.content, calls)

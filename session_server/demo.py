@@ -197,6 +197,130 @@ def drive(base_url: str, model_dir: Path, *, seed: int | None = None) -> dict[st
     return summary
 
 
+CLICK_TOOL: dict[str, Any] = {
+    "type": "function",
+    "function": {
+        "name": "click",
+        "description": "Click at a point of the screen.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "x": {"type": "integer", "minimum": 0, "maximum": 639},
+                "y": {"type": "integer", "minimum": 0, "maximum": 399},
+            },
+            "required": ["x", "y"],
+        },
+    },
+}
+
+
+def screenshot(step: int) -> str:
+    """A 640x400 'desktop' with a window whose place depends on the step, as a data: URL."""
+    import base64
+    import io
+
+    from PIL import Image, ImageDraw
+
+    image = Image.new("RGB", (640, 400), (40, 60, 90))
+    draw = ImageDraw.Draw(image)
+    left, top = 60 + 90 * step, 50 + 40 * step
+    draw.rectangle((left, top, left + 260, top + 170), fill=(230, 230, 230), outline=(0, 0, 0))
+    draw.rectangle((left + 180, top + 130, left + 250, top + 160), fill=(70, 130, 220))
+    draw.text((left + 12, top + 12), f"Settings - step {step + 1}", fill=(0, 0, 0))
+    buffer = io.BytesIO()
+    image.save(buffer, "PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def drive_vision(base_url: str, *, seed: int | None = None, steps: int = 3) -> dict[str, Any]:
+    """A computer-use harness: screenshot -> click -> the tool result carries the next
+    screenshot -> ... -> a short answer. Returns the session's summary."""
+    import httpx
+    import openai
+
+    http = httpx.Client(base_url=base_url, timeout=300)
+    session = http.post("/sessions", json={"sampling": {"seed": seed} if seed is not None else {}})
+    session_body = session.json()
+    client = openai.OpenAI(
+        base_url=session_body["openai_base_url"], api_key=session_body["api_key"]
+    )
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You operate a desktop by clicking."},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Press the blue OK button."},
+                {"type": "image_url", "image_url": {"url": screenshot(0)}},
+            ],
+        },
+    ]
+    tool_calls = 0
+    for step in range(steps):
+        last = step == steps - 1
+        reply = client.chat.completions.create(
+            model=session_body["id"],
+            messages=messages,  # type: ignore[arg-type]
+            tools=[CLICK_TOOL],  # type: ignore[list-item]
+            # Random weights call no tool by themselves: a named tool_choice makes the engine
+            # sample a real <tool_call> (structured output from the first token).
+            **(
+                {} if last else {"tool_choice": {"type": "function", "function": {"name": "click"}}}
+            ),
+            max_tokens=12 if last else 64,
+            extra_body={"reasoning_ended": True},
+        )
+        message = reply.choices[0].message
+        info = (reply.model_extra or {}).get("tokenkeep", {})
+        sent: dict[str, Any] = {"role": "assistant", "content": message.content}
+        calls = message.tool_calls or []
+        # Random weights fill the call with whatever whitespace the grammar allows: shown and
+        # reported back compactly.
+        points = [
+            json.dumps(json.loads(c.function.arguments), separators=(",", ":")) for c in calls
+        ]
+        shown = (
+            ", ".join(f"click({point})" for point in points)
+            if calls
+            else repr((message.content or "")[:60])
+        )
+        if calls:
+            sent["tool_calls"] = [c.model_dump() for c in calls]
+        usage = reply.usage
+        print(
+            f"  turn {step + 1}: {info.get('kind', '?'):7} prompt "
+            f"{usage.prompt_tokens if usage else 0:4d} + sampled "
+            f"{usage.completion_tokens if usage else 0:3d} tokens -> {shown}",
+            flush=True,
+        )
+        messages.append(sent)
+        for call, point in zip(calls, points, strict=True):
+            tool_calls += 1
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": call.id,
+                    "content": [
+                        {"type": "text", "text": f"clicked {point}"},
+                        {"type": "image_url", "image_url": {"url": screenshot(step + 1)}},
+                    ],
+                }
+            )
+    summary = http.get(f"/sessions/{session_body['id']}").json()
+    trajectory = http.get(f"/sessions/{session_body['id']}/trajectory").json()
+    summary["tool_calls"] = tool_calls
+    summary["images"] = sum(
+        len(turn.get("images", []))
+        for branch in trajectory["branches"]
+        for segment in branch["segments"]
+        for turn in segment["turns"]
+    )
+    summary["viewer_url"] = f"{base_url}/ui/sessions/{session_body['id']}"
+    summary["trajectory_jsonl"] = http.get(
+        f"/sessions/{session_body['id']}/trajectory", params={"format": "jsonl"}
+    ).text
+    return summary
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="tokenkeep demo",
@@ -212,6 +336,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=int, help="sampling seed (default: random)")
     parser.add_argument(
+        "--vision",
+        action="store_true",
+        help="a screenshot tool loop on the tiny Qwen3-VL (images in user and tool messages)",
+    )
+    parser.add_argument(
         "--keep-running",
         action="store_true",
         help="leave the stack up afterwards for your own harness (Ctrl-C stops it)",
@@ -223,7 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     _progress("[demo] setting up the engine (first run: a few minutes; cached afterwards)")
     try:
-        engine = localengine.start(progress=_progress)
+        model = localengine.VISION_MODEL_NAME if args.vision else localengine.TINY_MODEL_NAME
+        engine = localengine.start(model, progress=_progress)
     except localengine.LocalEngineError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
@@ -233,9 +363,12 @@ def main(argv: list[str] | None = None) -> int:
         ) as url:
             store = args.redis_url or "embedded store"
             print(f"\nsession server {url} ({store}) -> vLLM {engine.url}", flush=True)
-            summary = drive(url, engine.model_dir, seed=args.seed)
+            if args.vision:
+                summary = drive_vision(url, seed=args.seed)
+            else:
+                summary = drive(url, engine.model_dir, seed=args.seed)
             args.trajectory.write_text(summary.pop("trajectory_jsonl"))
-            ok = _report(summary, args.trajectory, time.monotonic() - started)
+            ok = _report(summary, args.trajectory, time.monotonic() - started, model)
             if args.keep_running:
                 print("\nthe stack is up; Ctrl-C stops it", flush=True)
                 try:
@@ -248,14 +381,15 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
-def _report(summary: dict[str, Any], trajectory: Path, seconds: float) -> bool:
+def _report(summary: dict[str, Any], trajectory: Path, seconds: float, name: str) -> bool:
     breaks = sum(summary["breaks"].values())
     kinds = ", ".join(f"{kind} {count}" for kind, count in summary["turns_by_kind"].items())
-    model = localengine.served_name(localengine.TINY_MODEL_NAME)
+    model = localengine.served_name(name)
+    images = f", {summary['images']} images" if "images" in summary else ""
     lines = [
         "",
         f"session      {summary['openai_base_url']}",
-        f"turns        {summary['turns']} ({kinds}), {summary['tool_calls']} tool calls",
+        f"turns        {summary['turns']} ({kinds}), {summary['tool_calls']} tool calls{images}",
         f"tokens       {summary['tokens']} ({summary['sampled_tokens']} sampled by the engine)",
         f"segments     {summary['segments']}",
         f"breaks       {breaks}" + (f" {json.dumps(summary['breaks'])}" if breaks else ""),
@@ -264,9 +398,9 @@ def _report(summary: dict[str, Any], trajectory: Path, seconds: float) -> bool:
         f"took         {seconds:.0f}s",
         "",
         "Point your own harness at a session (one base URL per conversation):",
-        "  tokenkeep engine start &          # vLLM on the CPU at http://127.0.0.1:8000",
+        f"  tokenkeep engine start --model {name} &   # vLLM on the CPU at http://127.0.0.1:8000",
         f"  tokenkeep serve --port 8080 --engine-url http://127.0.0.1:8000 --model {model} \\",
-        f"      --tokenizer {localengine.model_dir()}",
+        f"      --tokenizer {localengine.model_dir(name)}",
         "  curl -s -X POST localhost:8080/sessions   # -> openai_base_url, api_key",
         '  OpenAI(base_url="<openai_base_url>", api_key="<api_key>")',
         "or run `tokenkeep demo --keep-running` and use the session URL above.",

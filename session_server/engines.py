@@ -42,6 +42,7 @@ import httpx
 import numpy as np
 import orjson
 
+from session_server.images import ImageInput, content_parts
 from session_server.store.base import WeightSpan
 
 logger = logging.getLogger(__name__)
@@ -138,6 +139,9 @@ class _Call:
     prompt_json: bytes = b""
     """The prompt as a JSON array, encoded once: sent as is, and compared byte for byte
     with the prompt the engine echoes (empty: encode with the body, compare decoded)."""
+    images: tuple[ImageInput, ...] = ()
+    """Every image of the prompt in order; `prompt_ids` then has one pad per image and the
+    engine echoes the expanded prompt."""
 
 
 class Protocol(Enum):
@@ -435,6 +439,7 @@ class EngineClient:
         *,
         reasoning_ended: bool | None = None,
         prompt_json: bytes | None = None,
+        images: tuple[ImageInput, ...] = (),
     ) -> Generation:
         """One whole generation. `sampling` is vLLM's SamplingParams as a dict, sent as is
         (plus `logprobs: 0` unless set): the caller sends every parameter it means, since
@@ -449,6 +454,7 @@ class EngineClient:
             reasoning_ended,
             False,
             prompt_json or orjson.dumps(prompt_ids),
+            images,
         )
         started = time.perf_counter()
         last_error: EngineError | None = None
@@ -477,6 +483,7 @@ class EngineClient:
         *,
         reasoning_ended: bool | None = None,
         prompt_json: bytes | None = None,
+        images: tuple[ImageInput, ...] = (),
     ) -> AsyncIterator[StreamEvent]:
         """Yields one `StreamStart`, then `GenerationDelta`s as the engine samples. Failures
         before the first chunk move to the next replica; after it they raise `EngineError`.
@@ -489,6 +496,7 @@ class EngineClient:
             reasoning_ended,
             True,
             prompt_json or orjson.dumps(prompt_ids),
+            images,
         )
         last_error: EngineError | None = None
         for replica in self._attempts(session_id):
@@ -563,7 +571,17 @@ class EngineClient:
                 body["stream_options"] = {"include_usage": True}
             if call.reasoning_ended is not None:
                 body["reasoning_ended"] = call.reasoning_ended
+            if call.images:
+                body["content_parts"] = content_parts(list(call.images))
             return GENERATE_PATH, body
+        if call.images:
+            # /v1/completions takes a token prompt but drops images without a word.
+            raise EngineError(
+                502,
+                f"engine {replica.url} has no token-in endpoint (/inference/v1/generate), "
+                "and its /v1/completions ignores images; start vLLM with --enable-scale-out",
+                "EngineProtocolError",
+            )
         return COMPLETIONS_PATH, {
             **params,
             "request_id": request_id,

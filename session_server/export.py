@@ -106,6 +106,18 @@ def _shifted(spans: list[WeightSpan], offset: int) -> list[dict[str, Any]]:
     return [{"version": s.version, "start": s.start + offset, "end": s.end + offset} for s in spans]
 
 
+def _image_entry(image: dict[str, Any], prompt_start: int) -> dict[str, Any]:
+    """An image the turn's prompt added: its hash (`GET /sessions/{id}/images/{sha256}`),
+    its placeholder run in segment coordinates, and its original size."""
+    return {
+        "sha256": image["sha256"],
+        "offset": prompt_start + image["offset"],
+        "length": image["length"],
+        "width": image["width"],
+        "height": image["height"],
+    }
+
+
 def branches(turns: list[TurnRecord]) -> list[list[TurnRecord]]:
     """Root-to-leaf paths, in the order their leaves were created."""
     by_id = {t.turn_id: t for t in turns}
@@ -191,6 +203,11 @@ def segments(path: list[TurnRecord], staleness: Staleness | None = None) -> list
             | _cache_facts(earlier, turn)
             | ({"stale_tokens": stale} if staleness is not None else {})
             | ({"volatile": turn.extra["volatile"]} if "volatile" in turn.extra else {})
+            | (
+                {"images": [_image_entry(image, prompt_start) for image in turn.extra["images"]]}
+                if "images" in turn.extra
+                else {}
+            )
         )
     for segment, turns in zip(out, members, strict=True):
         segment["routed_experts"] = _segment_routes(turns, len(segment["token_ids"]))

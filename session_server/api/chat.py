@@ -21,7 +21,14 @@ from session_server.api.sse import (
     openai_error_line,
     serve_turn,
 )
-from session_server.conversation import Conversation, ConversationError, Message, Tool, ToolCall
+from session_server.conversation import (
+    Conversation,
+    ConversationError,
+    Message,
+    Tool,
+    ToolCall,
+)
+from session_server.images import ImageInput, check_count, compose, decode_data_url, no_marks
 from session_server.results import (
     ChoiceDelta,
     ChoiceFinished,
@@ -114,20 +121,35 @@ class ChatCompletionRequest(BaseModel):
     session's setting, else off for harness APIs, on for token-ID completions)."""
 
 
-def _text(content: str | list[ContentPart] | None) -> str:
+def _content(
+    content: str | list[ContentPart] | None, role: str, index: int
+) -> tuple[str, list[ImageInput]]:
+    """The text (an `IMAGE_MARK` where each image is) and the images of a message."""
     if content is None:
-        return ""
+        return "", []
+    param = f"messages[{index}].content"
     if isinstance(content, str):
-        return content
-    parts = []
-    for part in content:
-        if part.type not in ("text", "input_text", "output_text"):
+        return no_marks(content, param), []
+    pieces: list[str | ImageInput] = []
+    for i, part in enumerate(content):
+        if part.type == "image_url":
+            if role not in ("user", "tool"):
+                raise ConversationError(
+                    f"images are accepted in user and tool messages, not {role}", param=param
+                )
+            source = getattr(part, "image_url", None)
+            url = source.get("url") if isinstance(source, dict) else source
+            if not isinstance(url, str):
+                raise ConversationError("image_url needs a url", param=f"{param}[{i}]")
+            pieces.append(decode_data_url(url, param=f"{param}[{i}].image_url"))
+        elif part.type in ("text", "input_text", "output_text"):
+            pieces.append(no_marks(part.text or "", param))
+        else:
             raise ConversationError(
-                f"content part type {part.type!r} is not supported (text only)",
-                param="messages.content",
+                f"content part type {part.type!r} is not supported (text and image_url)",
+                param=param,
             )
-        parts.append(part.text or "")
-    return "".join(parts)
+    return compose(pieces, "")
 
 
 def _arguments(value: str | dict[str, Any]) -> str:
@@ -146,12 +168,14 @@ def to_conversation(body: ChatCompletionRequest) -> Conversation:
             param="top_logprobs",
         )
     messages: list[Message] = []
-    for m in body.messages:
+    for index, m in enumerate(body.messages):
         role = {"developer": "system", "function": "tool"}.get(m.role, m.role)
+        text, images = _content(m.content, role, index)
         messages.append(
             Message(
                 role=role,  # type: ignore[arg-type]
-                content=_text(m.content),
+                content=text,
+                images=images,
                 reasoning=m.reasoning_content or m.reasoning,
                 tool_calls=[
                     ToolCall(
@@ -165,6 +189,7 @@ def to_conversation(body: ChatCompletionRequest) -> Conversation:
                 generation_token_ids=m.generation_token_ids,
             )
         )
+    check_count(messages)
     sampling = explicit_sampling(body, body.max_completion_tokens or body.max_tokens)
     return Conversation(
         messages=messages,

@@ -123,7 +123,7 @@ def classify(exc: Exception) -> tuple[int, str, str | None, str | None]:
     if isinstance(exc, APIError):
         return exc.status, exc.message, exc.param, exc.type
     if isinstance(exc, ConversationError):
-        return 400, str(exc), exc.param, None
+        return exc.status, str(exc), exc.param, None
     if isinstance(exc, Refused):
         return exc.status, str(exc), exc.param, exc.kind
     if isinstance(exc, InvalidSessionId | MissingSessionId):

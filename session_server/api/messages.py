@@ -33,6 +33,14 @@ from session_server.api.routing import LeanRoute, convert
 from session_server.api.session_ids import check_session_id, session_id_from_headers
 from session_server.api.sse import IDEMPOTENCY_KEY_DOC, event_line, serve_turn
 from session_server.conversation import Conversation, ConversationError, Message, Tool, ToolCall
+from session_server.images import (
+    ImageInput,
+    check_count,
+    compose,
+    decode_base64,
+    decode_data_url,
+    no_marks,
+)
 from session_server.results import (
     ChoiceDelta,
     ChoiceFinished,
@@ -71,6 +79,18 @@ class RedactedThinkingBlock(_Wire):
     data: str = ""
 
 
+class ImageSource(_Wire):
+    type: Literal["base64", "url"]
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
+
+
+class ImageBlock(_Wire):
+    type: Literal["image"]
+    source: ImageSource
+
+
 class ToolUseBlock(_Wire):
     type: Literal["tool_use"]
     id: str
@@ -85,12 +105,15 @@ def _text_as_blocks(value: Any) -> Any:
 class ToolResultBlock(_Wire):
     type: Literal["tool_result"]
     tool_use_id: str
-    content: Annotated[list[TextBlock], BeforeValidator(_text_as_blocks)] = []
+    content: Annotated[
+        list[Annotated[TextBlock | ImageBlock, Field(discriminator="type")]],
+        BeforeValidator(_text_as_blocks),
+    ] = []
     is_error: bool = False
 
 
 Block = Annotated[
-    TextBlock | ThinkingBlock | RedactedThinkingBlock | ToolUseBlock | ToolResultBlock,
+    TextBlock | ImageBlock | ThinkingBlock | RedactedThinkingBlock | ToolUseBlock | ToolResultBlock,
     Field(discriminator="type"),
 ]
 TokenIds = list[NonNegativeInt]
@@ -145,6 +168,26 @@ def _joined(blocks: list[TextBlock]) -> str:
     return "\n".join(block.text for block in blocks)
 
 
+def _image(block: ImageBlock, param: str) -> ImageInput:
+    if block.source.type == "url":
+        return decode_data_url(block.source.url or "", param=f"{param}.source.url")
+    return decode_base64(block.source.data or "", param=f"{param}.source.data")
+
+
+def _with_images(blocks: list[TextBlock | ImageBlock], param: str) -> Message:
+    """Text blocks joined by newlines, an image where each image block is."""
+    text, images = compose(
+        [
+            _image(block, f"{param}.{j}")
+            if isinstance(block, ImageBlock)
+            else no_marks(block.text, param)
+            for j, block in enumerate(blocks)
+        ],
+        "\n",
+    )
+    return Message(role="user", content=text, images=images)
+
+
 def conversation_from_request(request: CountTokensRequest) -> Conversation:
     messages: list[Message] = []
     if request.system:
@@ -181,9 +224,9 @@ def _assistant_message(wire: WireMessage, i: int) -> Message:
         elif isinstance(block, ToolUseBlock):
             arguments = json.dumps(block.input, ensure_ascii=False)
             calls.append(ToolCall(id=block.id, name=block.name, arguments=arguments))
-        elif isinstance(block, ToolResultBlock):
+        elif isinstance(block, ToolResultBlock | ImageBlock):
             raise ConversationError(
-                "tool_result blocks belong in user messages", param=f"messages.{i}.content.{j}"
+                f"{block.type} blocks belong in user messages", param=f"messages.{i}.content.{j}"
             )
     return Message(
         role="assistant",
@@ -199,24 +242,28 @@ def _user_or_system_messages(wire: WireMessage, i: int) -> list[Message]:
     """A user turn's tool results become tool messages, in block order; its text blocks
     around them become user messages."""
     messages: list[Message] = []
-    texts: list[str] = []
+    blocks: list[TextBlock | ImageBlock] = []
+    param = f"messages.{i}.content"
     for j, block in enumerate(wire.content):
-        if isinstance(block, TextBlock):
-            texts.append(block.text)
+        if isinstance(block, TextBlock) or (isinstance(block, ImageBlock) and wire.role == "user"):
+            blocks.append(block)
         elif isinstance(block, ToolResultBlock) and wire.role == "user":
-            if texts:
-                messages.append(Message(role="user", content="\n".join(texts)))
-                texts = []
-            messages.append(
-                Message(role="tool", content=_joined(block.content), tool_call_id=block.tool_use_id)
-            )
+            if blocks:
+                messages.append(_with_images(blocks, param))
+                blocks = []
+            result = _with_images(block.content, f"{param}.{j}.content")
+            result.role, result.tool_call_id = "tool", block.tool_use_id
+            messages.append(result)
         else:
             raise ConversationError(
                 f"{block.type} blocks are not allowed in {wire.role} messages",
-                param=f"messages.{i}.content.{j}",
+                param=f"{param}.{j}",
             )
-    if texts or not messages:
-        messages.append(Message(role=wire.role, content="\n".join(texts)))
+    if blocks or not messages:
+        message = _with_images(blocks, param)
+        message.role = wire.role
+        messages.append(message)
+    check_count(messages)
     return messages
 
 

@@ -48,6 +48,7 @@ from session_server.api.routing import LeanRoute, convert
 from session_server.api.session_ids import check_session_id, session_id_from_headers
 from session_server.api.sse import IDEMPOTENCY_KEY_DOC, event_line, serve_turn
 from session_server.conversation import Conversation, ConversationError, Message, ToolCall
+from session_server.images import ImageInput, check_count, compose, decode_data_url, no_marks
 from session_server.results import (
     ChoiceDelta,
     ChoiceFinished,
@@ -75,6 +76,15 @@ class TextPart(_Wire):
     text: str
 
 
+class ImagePart(_Wire):
+    type: Literal["input_image"]
+    image_url: str | None = None
+    file_id: str | None = None
+
+
+Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
 def _text_as_parts(value: Any) -> Any:
     return [{"type": "input_text", "text": value}] if isinstance(value, str) else value
 
@@ -90,7 +100,7 @@ class _AssistantTokens(_Wire):
 class MessageItem(_AssistantTokens):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
-    content: Annotated[list[TextPart], BeforeValidator(_text_as_parts)]
+    content: Annotated[list[Part], BeforeValidator(_text_as_parts)]
 
 
 class ReasoningText(_Wire):
@@ -131,7 +141,7 @@ class LocalShellCallItem(_AssistantTokens):
 class FunctionCallOutputItem(_Wire):
     type: Literal["function_call_output", "custom_tool_call_output", "local_shell_call_output"]
     call_id: str
-    output: Annotated[list[TextPart], BeforeValidator(_text_as_parts)]
+    output: Annotated[list[Part], BeforeValidator(_text_as_parts)]
 
 
 class HostedCallItem(_Wire):
@@ -244,6 +254,7 @@ def conversation_from_request(
     if request.instructions and not request.previous_response_id:
         messages.append(Message(role="system", content=request.instructions))
     messages += messages_from_items(request.input, reasoning)
+    check_count(messages)
     tools = tool_map(request)
     return Conversation(
         messages=messages,
@@ -299,13 +310,29 @@ def messages_from_items(
 
 
 def _non_assistant_message(item: MessageItem | FunctionCallOutputItem) -> Message:
-    text = "\n".join(
-        part.text
-        for part in (item.output if isinstance(item, FunctionCallOutputItem) else item.content)
+    tool = isinstance(item, FunctionCallOutputItem)
+    role = "tool" if tool else ("system" if item.role == "developer" else item.role)
+    text, images = compose(
+        [
+            _image(part, role) if isinstance(part, ImagePart) else no_marks(part.text, "input")
+            for part in (item.output if isinstance(item, FunctionCallOutputItem) else item.content)
+        ],
+        "\n",
     )
     if isinstance(item, FunctionCallOutputItem):
-        return Message(role="tool", content=text, tool_call_id=item.call_id)
-    return Message(role="system" if item.role == "developer" else item.role, content=text)
+        return Message(role="tool", content=text, images=images, tool_call_id=item.call_id)
+    return Message(role=role, content=text, images=images)  # type: ignore[arg-type]
+
+
+def _image(part: ImagePart, role: str) -> ImageInput:
+    if role not in ("user", "tool"):
+        raise ConversationError(f"input_image belongs in user input, not {role}", param="input")
+    if part.image_url is None:
+        raise ConversationError(
+            "input_image needs an image_url (a data: URL); file_id is not supported",
+            param="input",
+        )
+    return decode_data_url(part.image_url, param="input")
 
 
 def _add_to_turn(turn: Message, item: Any, reasoning: ReasoningOpener | None) -> None:
@@ -315,7 +342,9 @@ def _add_to_turn(turn: Message, item: Any, reasoning: ReasoningOpener | None) ->
         parts = item.content if item.content else item.summary
         turn.reasoning = sealed if sealed is not None else "\n".join(p.text for p in parts)
     elif isinstance(item, MessageItem):
-        turn.content = "\n".join(part.text for part in item.content)
+        if any(isinstance(part, ImagePart) for part in item.content):
+            raise ConversationError("assistant messages cannot hold images", param="input")
+        turn.content = "\n".join(part.text for part in item.content if isinstance(part, TextPart))
     else:
         turn.tool_calls.append(call_from_item(item))
     turn.prompt_token_ids = turn.prompt_token_ids or item.prompt_token_ids

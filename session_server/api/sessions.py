@@ -17,6 +17,7 @@ from session_server import batch, export
 from session_server.api.auth import issue_session_key
 from session_server.api.errors import APIError
 from session_server.api.session_ids import SESSION_ID_PATTERN, check_session_id
+from session_server.images import image_media_type
 from session_server.store.base import (
     FINISH_STATUSES,
     AlreadyFinished,
@@ -384,6 +385,17 @@ async def get_trajectory(
             yield json.dumps({"session_id": session_id, **branch}).encode() + b"\n"
 
     return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+
+@router.get("/sessions/{session_id}/images/{sha256}", response_model=None)
+async def get_image(session_id: str, sha256: str, request: Request) -> Response:
+    """An image of the session, by the hash the trajectory lists it under (admin key, like
+    the export): the trainer rebuilds pixel inputs from these bytes."""
+    await _existing(request, session_id)
+    data = await request.app.state.turns.store.get_image(session_id, sha256.lower())
+    if data is None:
+        raise APIError(404, f"session {session_id!r} has no image {sha256!r}", param="sha256")
+    return Response(data, media_type=image_media_type(data))
 
 
 @router.delete("/sessions/{session_id}", status_code=204)

@@ -17,6 +17,7 @@ from fastapi.responses import RedirectResponse
 from session_server import export
 from session_server.api.errors import APIError
 from session_server.api.session_ids import check_session_id
+from session_server.images import thumbnail_data_url
 
 router = APIRouter()
 
@@ -127,6 +128,16 @@ async def list_sessions(
     }
 
 
+async def _thumbnail(
+    store: Any, session_id: str, image: dict[str, Any], done: dict[str, str | None]
+) -> str | None:
+    sha256 = image["sha256"]
+    if sha256 not in done:
+        data = await store.get_image(session_id, sha256)
+        done[sha256] = None if data is None else thumbnail_data_url(data)
+    return done[sha256]
+
+
 @router.get("/ui/api/sessions/{session_id}")
 async def session_view(session_id: str, request: Request) -> dict[str, Any]:
     """What the session page draws: the summary, the whole turn tree, and every branch's
@@ -140,11 +151,21 @@ async def session_view(session_id: str, request: Request) -> dict[str, Any]:
     data = export.trajectory(session_id, turns)
     tokenizer = service.model.tokenizer
     special = tokenizer.special_token_ids
+    thumbnails: dict[str, str | None] = {}
     for branch in data["branches"]:
         for segment in branch["segments"]:
             ids = segment["token_ids"]
             segment["pieces"] = tokenizer.pieces(ids)
             segment["special"] = [1 if t in special else 0 for t in ids]
+            # Each image's placeholder run is drawn as one block with a small thumbnail.
+            segment["images"] = [
+                {
+                    **image,
+                    "thumbnail": await _thumbnail(service.store, session_id, image, thumbnails),
+                }
+                for turn in segment["turns"]
+                for image in turn.get("images", [])
+            ]
     finish = await service.store.get_finish(session_id)
     return {
         "id": session_id,

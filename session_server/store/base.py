@@ -286,6 +286,13 @@ class SessionStore(Protocol):
         """Remove the session and all its turns; False if it did not exist."""
         ...
 
+    async def put_images(self, session_id: str, images: dict[str, bytes]) -> None:
+        """Keep the session's images, once per content hash (SHA-256 hex); they live and
+        expire with the session. SessionNotFound if it does not exist."""
+        ...
+
+    async def get_image(self, session_id: str, sha256: str) -> bytes | None: ...
+
     async def lookup(
         self,
         session_id: str,

@@ -53,6 +53,7 @@ class _Session:
     finish: bytes | None = None
     claims: dict[str, tuple[float, str, str]] = field(default_factory=dict)
     """Idempotency-Key -> (since, owner, fingerprint) while its request generates."""
+    images: dict[str, bytes] = field(default_factory=dict)
 
     def touch(self, now: float) -> None:
         if self.ttl_seconds is not None:
@@ -142,6 +143,17 @@ class MemoryStore:
             return False
         del self._sessions[session_id]
         return True
+
+    async def put_images(self, session_id: str, images: dict[str, bytes]) -> None:
+        session = self._live(session_id)
+        if session is None:
+            raise SessionNotFound(session_id)
+        for sha256, data in images.items():
+            session.images.setdefault(sha256, data)
+
+    async def get_image(self, session_id: str, sha256: str) -> bytes | None:
+        session = self._live(session_id)
+        return None if session is None else session.images.get(sha256)
 
     async def lookup(
         self,

@@ -10,6 +10,8 @@ and every script may touch all of them:
 - `{prefix}:{<sid>}:index`   hash: lookup key -> turn id (first writer wins);
 - `{prefix}:{<sid>}:parents` hash: turn id -> parent id (0 = root), so that the lookup script
                              walks a path without copying the records the caller holds.
+A session with images also has `{prefix}:{<sid>}:images` (hash: SHA-256 hex -> image bytes),
+written by `images.lua`, which gives it the meta key's remaining time to live on each write.
 A finished session also has `fin` (packed Finish) in its meta hash and is a member of the
 sorted set `{prefix}:finished` (score: finish time), the one key shared by all sessions: it is
 only ever used by single-key commands, so it may live in any Cluster slot.
@@ -214,6 +216,7 @@ class RedisStore:
         self._finish = self._redis.register_script(_script("finish.lua"))
         self._claim = self._redis.register_script(_script("claim.lua"))
         self._release = self._redis.register_script(_script("release.lua"))
+        self._images = self._redis.register_script(_script("images.lua"))
         self._finished_key = f"{key_prefix}:finished"
 
     async def _call(self, operation: Callable[[], Awaitable[T]]) -> T:
@@ -266,10 +269,25 @@ class RedisStore:
         return None if packed is None else decode_meta(packed)
 
     async def delete_session(self, session_id: str) -> bool:
-        keys = self.session_keys(session_id)
+        keys = [*self.session_keys(session_id), self._images_key(session_id)]
         deleted = bool(await self._call(lambda: self._delete(keys=keys)))
         await self._call(lambda: self._redis.zrem(self._finished_key, session_id))
         return deleted
+
+    def _images_key(self, session_id: str) -> str:
+        return f"{self._prefix}:{{{session_id}}}:images"
+
+    async def put_images(self, session_id: str, images: dict[str, bytes]) -> None:
+        keys = [self.session_keys(session_id)[0], self._images_key(session_id)]
+        args = [value for pair in images.items() for value in pair]
+        stored = await self._call(lambda: self._write(self._images, keys, args))
+        if not stored:
+            raise SessionNotFound(session_id)
+
+    async def get_image(self, session_id: str, sha256: str) -> bytes | None:
+        key = self._images_key(session_id)
+        data = await self._call(lambda: self._redis.hget(key, sha256))
+        return None if data is None else bytes(data)
 
     async def lookup(
         self,

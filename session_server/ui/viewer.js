@@ -206,9 +206,41 @@ function estimatedHeight(segment, start, end, width) {
   return Math.ceil((lines + pixels / width) * LINE_PX);
 }
 
+// An image's placeholder run is drawn as one thumbnail block at its first position; its other
+// positions draw nothing (a run may cross a block boundary).
+function imageRuns(segment) {
+  if (!segment.imageAt) {
+    segment.imageAt = new Map();
+    for (const image of segment.images || []) {
+      for (let i = image.offset; i < image.offset + image.length; i++) {
+        segment.imageAt.set(i, image);
+      }
+    }
+  }
+  return segment.imageAt;
+}
+
+function imageBlock(image, position) {
+  const block = el("span", {
+    class: "t c img",
+    title: `image ${image.width}x${image.height}, ${image.length} placeholder tokens, ` +
+      `sha256 ${image.sha256.slice(0, 12)}…`,
+  });
+  block.dataset.i = String(position);
+  if (image.thumbnail) block.append(el("img", { src: image.thumbnail, alt: "image" }));
+  block.append(el("span", { text: ` ${image.length} tokens` }));
+  return block;
+}
+
 function renderBlock(container, segment, start, end, ctx) {
   const fragment = document.createDocumentFragment();
+  const runs = imageRuns(segment);
   for (let i = start; i < end; i++) {
+    const image = runs.get(i);
+    if (image) {
+      if (i === image.offset) fragment.append(imageBlock(image, i));
+      continue;
+    }
     const classes = ["t", segment.loss_mask[i] ? "s" : "c"];
     if (segment.special[i]) classes.push("sp");
     const piece = segment.pieces[i];

@@ -383,7 +383,7 @@ def async_client() -> anthropic.AsyncAnthropic:
                 "max_tokens": 5,
                 "messages": [{"role": "user", "content": [{"type": "image", "source": {}}]}],
             },
-            "messages.0.content.0: Input tag 'image'",
+            "messages.0.content.0.image.source.type: Field required",
         ),
         (
             {

@@ -374,7 +374,7 @@ def async_client() -> openai.AsyncOpenAI:
                 "model": "m",
                 "input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}],
             },
-            "input.0.message.content.0.type",
+            "'(none)' URLs are not fetched",
         ),
         (
             {"model": "m", "input": "hi", "tools": [{"type": "namespace", "tools": []}]},

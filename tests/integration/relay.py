@@ -32,6 +32,10 @@ class Exchange:
     sampling: dict[str, Any]
     reported_prompt: list[int] | None = None
     sampled: dict[int, list[int]] = field(default_factory=dict)
+    content_parts: list[dict[str, Any]] = field(default_factory=list)
+    """The images sent with the prompt (vLLM's `content_parts`)."""
+    mm_placeholders: dict[str, list[dict[str, int]]] | None = None
+    """Where vLLM reports it put them in the expanded prompt."""
     logprobs: dict[int, list[float]] = field(default_factory=dict)
     weight_versions: dict[int, list[tuple[str, int, int]]] = field(default_factory=dict)
 
@@ -65,7 +69,11 @@ class Relay:
             if request.url.path == GENERATE_PATH:
                 payload = json.loads(body)
                 params = payload.get("sampling_params") or {}
-                exchange = Exchange(list(payload["token_ids"]), params)
+                exchange = Exchange(
+                    list(payload["token_ids"]),
+                    params,
+                    content_parts=payload.get("content_parts") or [],
+                )
                 self.exchanges.append(exchange)
             upstream = await client.send(
                 client.build_request(
@@ -119,6 +127,7 @@ def _record(exchange: Exchange, body: bytes) -> None:
     for payload in payloads:
         if exchange.reported_prompt is None and payload.get("prompt_token_ids") is not None:
             exchange.reported_prompt = list(payload["prompt_token_ids"])
+            exchange.mm_placeholders = payload.get("mm_placeholders")
         for choice in payload.get("choices") or ():
             index = choice["index"]
             exchange.sampled.setdefault(index, []).extend(choice.get("token_ids") or [])
