@@ -61,6 +61,11 @@ async def collect_stream(
             start = event
             continue
         assert len(event.token_ids) == len(event.logprobs)
+        if event.cached_tokens is not None and not event.token_ids:
+            # the usage chunk (include_usage) follows the finishing one: no tokens, only
+            # the prompt's cached-token count
+            assert 0 <= event.cached_tokens <= len(prompt_ids)
+            continue
         total = merged.setdefault(event.index, GenerationDelta(event.index, [], [], None, None))
         assert total.finish_reason is None, "tokens after the finishing chunk"
         total.token_ids += event.token_ids
