@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from session_server.api.params import SAMPLING_FIELDS
 from session_server.api.routing import LeanRoute
 from session_server.api.session_ids import check_session_id, session_id_from_headers
 from session_server.api.sse import IDEMPOTENCY_KEY_DOC, openai_error_line, serve_turn
@@ -28,21 +29,7 @@ router = APIRouter(route_class=LeanRoute)
 # vLLM SamplingParams fields forwarded to the engine as given (the core merges them with the
 # model's and the session's defaults, like every front-end's sampling).
 _FORWARDED = frozenset(
-    {
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "seed",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-        "max_tokens",
-        "min_tokens",
-        "stop",
-        "stop_token_ids",
-        "ignore_eos",
-    }
+    (*SAMPLING_FIELDS, "max_tokens", "min_tokens", "stop", "stop_token_ids", "ignore_eos")
 )
 # Fields that change only text or what is reported, never which tokens are sampled: tokenkeep
 # always records the sampled token's logprob and returns token ids, so they are accepted and

@@ -6,7 +6,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-_SAMPLING_FIELDS = (
+SAMPLING_FIELDS = (
     "temperature",
     "top_p",
     "top_k",
@@ -20,7 +20,7 @@ _SAMPLING_FIELDS = (
 
 def explicit_sampling(body: BaseModel, max_tokens: int | None) -> dict[str, Any]:
     """The sampling parameters the client set (unset ones are left to the core's merge)."""
-    sampling = {key: getattr(body, key) for key in _SAMPLING_FIELDS}
+    sampling = {key: getattr(body, key) for key in SAMPLING_FIELDS}
     sampling = {key: value for key, value in sampling.items() if value is not None}
     if max_tokens is not None:
         sampling["max_tokens"] = max_tokens
