@@ -109,11 +109,15 @@ def pod_problems(pods: list[dict[str, Any]], gpu_resource: str | None = None) ->
                 reason = SECRET_NOT_FOUND
             elif why in {"ErrImagePull", "ImagePullBackOff", "InvalidImageName"}:
                 reason = IMAGE_PULL_FAILED
+            elif why == "ErrImageNeverPull":
+                reason = IMAGE_PULL_FAILED
+                message += (
+                    " (imagePullPolicy Never: load the image into the node's container runtime,"
+                    " or let it be pulled from a registry)"
+                )
             elif why == "CrashLoopBackOff":
                 reason = CRASH_LOOP
-                last = container.get("lastState", {}).get("terminated") or {}
-                if last:
-                    message = f"last exit {last.get('exitCode')} ({last.get('reason', '')})"
+                message = crash_message(name, container)
             else:
                 continue
             text = f"pod {name}, container {container.get('name')}: {why}: {message}"
@@ -127,6 +131,21 @@ def pod_problems(pods: list[dict[str, Any]], gpu_resource: str | None = None) ->
         CRASH_LOOP,
     ]
     return [found[r] for r in order if r in found]
+
+
+def crash_message(pod_name: str, container: dict[str, Any]) -> str:
+    """How a crash-looping container last ended: its exit code and the last line it wrote
+    (kubelet keeps the log's tail as the termination message under FallbackToLogsOnError),
+    e.g. vLLM's `... is not a valid model path` when the model path is wrong."""
+    last = container.get("lastState", {}).get("terminated") or {}
+    if not last:
+        return ""
+    message = f"last exit {last.get('exitCode')} ({last.get('reason', '')})"
+    lines = [line.strip() for line in (last.get("message") or "").splitlines() if line.strip()]
+    if lines:
+        message += f", its last log line: {lines[-1][:300]}"
+    shown = f"kubectl logs --previous {pod_name} -c {container.get('name', '')}"
+    return f"{message}; `{shown}` shows the rest"
 
 
 def claim_waits(claims: list[dict[str, Any]], pods: list[dict[str, Any]]) -> list[Problem]:

@@ -9,9 +9,11 @@ The chart is installed from a copy adapted to this v1.20 server (README of share
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -69,6 +71,16 @@ class Node:
     def json(self, *args: str) -> Any:
         return json.loads(self.kubectl(*args, "-o", "json"))
 
+    def ctr(self, *args: str) -> str:
+        """containerd's own CLI on the node's socket (images as the kubelet sees them)."""
+        done = subprocess.run(
+            ["ctr", "--address", str(self.run_dir / "node/containerd/containerd.sock"),
+             "-n", "k8s.io", *args],
+            capture_output=True, text=True, timeout=900,
+        )  # fmt: skip
+        assert done.returncode == 0, f"ctr {' '.join(args)}: {done.stderr}"
+        return done.stdout
+
     def helm(self, *args: str) -> str:
         done = subprocess.run(
             [str(helm_binary()), "--kubeconfig", str(self.cluster.kubeconfig), *args],
@@ -76,14 +88,6 @@ class Node:
         )  # fmt: skip
         assert done.returncode == 0, f"helm {' '.join(args)}: {done.stdout}{done.stderr}"
         return done.stdout
-
-
-def import_image(run_dir: Path, archive: str) -> None:
-    subprocess.run(
-        ["ctr", "--address", str(run_dir / "node/containerd/containerd.sock"), "-n", "k8s.io",
-         "images", "import", archive],
-        check=True, capture_output=True, timeout=900,
-    )  # fmt: skip
 
 
 def adapted_chart(target: Path) -> Path:
@@ -99,6 +103,50 @@ def adapted_chart(target: Path) -> Path:
     return chart
 
 
+def recorded_pids(run_dir: Path) -> list[int]:
+    """The processes start-cluster.sh and start-node.sh recorded (RUN_DIR/*.pid)."""
+    pids = []
+    for pid_file in run_dir.glob("*.pid"):
+        with contextlib.suppress(ValueError, OSError):
+            pids.append(int(pid_file.read_text().strip()))
+    return pids
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def mounts_under(path: Path) -> list[str]:
+    with open("/proc/mounts") as mounts:
+        found = [line.split()[1] for line in mounts]
+    return sorted((m for m in found if m.startswith(f"{path}/")), reverse=True)
+
+
+def stop_node(scripts: Path, cluster: Cluster, run_dir: Path) -> None:
+    """Stop the node and the control plane, then make sure nothing of them is left: every
+    recorded process gone (killed if it lingers), no mount under RUN_DIR, and the node's
+    containerd store (the imported images, ~4 GiB) removed."""
+    pids = recorded_pids(run_dir)
+    subprocess.run([str(scripts / "stop-node.sh"), str(run_dir)], check=False, timeout=180)
+    cluster.stop()
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for pid in filter(alive, pids):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for mount in mounts_under(run_dir):
+        subprocess.run(["umount", "-l", mount], check=False)
+    shutil.rmtree(run_dir / "node" / "containerd", ignore_errors=True)
+    shutil.rmtree(run_dir / "pv", ignore_errors=True)
+    left = [p for p in pids if alive(p)]
+    assert not left, f"node processes still running after stop: {left}"
+    assert not mounts_under(run_dir), mounts_under(run_dir)
+
+
 @pytest.fixture(scope="session")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     problem = missing_node_prerequisites()
@@ -110,8 +158,8 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     timings: dict[str, float] = {}
     cluster = Cluster(run_dir)
     started = time.monotonic()
-    cluster.start()
     try:
+        cluster.start()
         subprocess.run(
             [str(scripts / "start-node.sh"), str(run_dir)],
             env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "NODE_SERVICES": "1"},
@@ -126,13 +174,14 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
         timings["images_s"] = time.monotonic() - started
         listed = json.loads((REPO_ROOT / "dist" / "images" / "images.json").read_text())
         started = time.monotonic()
+        node = Node(cluster, run_dir, listed, timings)
         for image in listed.values():
-            import_image(run_dir, image["archive"])
+            node.ctr("images", "import", image["archive"])
         timings["import_s"] = time.monotonic() - started
-        yield Node(cluster, run_dir, listed, timings)
+        yield node
     finally:
-        subprocess.run([str(scripts / "stop-node.sh"), str(run_dir)], check=False, timeout=120)
-        cluster.stop()
+        print(f"cluster tier timings: {json.dumps(timings)}")
+        stop_node(scripts, cluster, run_dir)
 
 
 @pytest.fixture(scope="session")
@@ -157,3 +206,12 @@ def release(node: Node, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pa
 
 def wait_for(check: Any, timeout: float, interval: float = 2.0) -> Any:
     return eventually(check, timeout=timeout, interval=interval)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Each test's call report on the item (`rep_call`), so a fixture can print what an admin
+    would look at after a failed step."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    setattr(item, f"rep_{report.when}", report)

@@ -1,6 +1,9 @@
 """The path every user takes, on a real node: `helm install`, `kubectl apply -f examples/cpu/`,
-then a harness (the openai SDK) through the SessionServer's Service, to a vLLM CPU engine pod.
+then a harness (the openai SDK) through the SessionServer's Service, to vLLM CPU engine pods;
+then what happens to a running stack: an engine pod replaced, the ModelServer scaled to two,
+`helm upgrade`, faults an admin must fix, and the uninstall.
 
+The tests share one stack (module fixture) and run in file order; each drives its own sessions.
 What this node cannot show: GPU scheduling (the examples/cpu ModelServer asks for no GPU).
 """
 
@@ -11,10 +14,15 @@ import itertools
 import json
 import time
 import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
+import pytest
+import yaml
 from tokenizers import Tokenizer
 
 from session_server.demo import TOOLS, answer_grammar, tool_call_grammar, weather
@@ -25,6 +33,9 @@ from tests.real_tokenizers import qwen3_dir
 
 NS = "rl"
 EXAMPLES = REPO_ROOT / "examples" / "cpu"
+ENGINE_PODS = "app.kubernetes.io/name=vllm,app.kubernetes.io/instance=tiny-qwen3"
+SESSION_PODS = "app.kubernetes.io/name=tokenkeep,app.kubernetes.io/instance=rollouts"
+OPERATOR_PODS = f"app.kubernetes.io/instance={RELEASE}"
 # Two tool calls then an answer: grammar-constrained, as `tokenkeep demo` does, because the
 # engine's weights are random.
 SCRIPT = (("What is the weather in Paris?", "Paris"), (None, "Tokyo"), (None, None))
@@ -40,39 +51,63 @@ def ready(node: Node, kind: str, name: str) -> bool:
     return condition(obj, "Ready").get("status") == "True"
 
 
-def session_service(node: Node) -> str:
-    service = node.json("get", "service", "rollouts-sessions", "-n", NS)
-    return f"http://{service['spec']['clusterIP']}:{service['spec']['ports'][0]['port']}"
+def events(node: Node, name: str) -> list[tuple[str, str, str]]:
+    """(type, reason, message) of the Events about `name`, oldest first."""
+    listed = node.json("get", "events", "-n", NS, "--field-selector", f"involvedObject.name={name}")
+    ordered = sorted(listed["items"], key=lambda e: e.get("lastTimestamp") or "")
+    return [(e["type"], e["reason"], e["message"]) for e in ordered]
 
 
-def admin_key(node: Node) -> str:
-    secret = node.json("get", "secret", "rollouts-admin-key", "-n", NS)
-    return base64.b64decode(secret["data"]["admin-key"]).decode()
+def pods_ready(node: Node, selector: str, count: int) -> bool:
+    pods = node.json("get", "pods", "-n", NS, "-l", selector)["items"]
+    live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    return len(live) == count and all(condition(p, "Ready").get("status") == "True" for p in live)
 
 
-def tool_loop(
-    base: str, key: str, vocab: dict[str, int], session_id: str, turns: int
-) -> list[dict[str, Any]]:
-    """Drive `turns` turns of the script on a session; returns, per turn, the engine's prompt
-    ids and sampled ids as the served response reports them."""
-    admin = httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=300)
-    created = admin.post("/sessions", json={"id": session_id, "sampling": {"seed": 7}})
-    assert created.status_code == 201, created.text
-    body = created.json()
-    client = openai.OpenAI(base_url=body["openai_base_url"], api_key=body["api_key"], timeout=300)
-    messages: list[dict[str, Any]] = [{"role": "system", "content": "Use the tools."}]
-    seen: list[dict[str, Any]] = []
-    for user, city in SCRIPT[:turns]:
+@dataclass
+class Conversation:
+    """A session driven turn by turn with the openai SDK (the script's tool loop); keeps, per
+    turn, the engine's prompt ids and sampled ids as the served response reports them."""
+
+    base: str
+    key: str
+    vocab: dict[str, int]
+    session_id: str = field(default_factory=lambda: f"cluster-{uuid.uuid4().hex[:12]}")
+    messages: list[dict[str, Any]] = field(
+        default_factory=lambda: [{"role": "system", "content": "Use the tools."}]
+    )
+    turns: list[dict[str, Any]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        created = self.admin().post(
+            "/sessions", json={"id": self.session_id, "sampling": {"seed": 7}}
+        )
+        assert created.status_code == 201, created.text
+        body = created.json()
+        self.client = openai.OpenAI(
+            base_url=body["openai_base_url"], api_key=body["api_key"], timeout=300, max_retries=0
+        )
+
+    def admin(self) -> httpx.Client:
+        return httpx.Client(
+            base_url=self.base, headers={"Authorization": f"Bearer {self.key}"}, timeout=300
+        )
+
+    def turn(self) -> dict[str, Any]:
+        """The script's next turn. Messages are kept only once it is answered, so a failed
+        attempt can be sent again as it was."""
+        user, city = SCRIPT[len(self.turns) % len(SCRIPT)]
+        messages = list(self.messages)
         if user:
             messages.append({"role": "user", "content": user})
         grammar = (
-            tool_call_grammar(vocab, "get_weather", {"city": [city]})
+            tool_call_grammar(self.vocab, "get_weather", {"city": [city]})
             if city
-            else answer_grammar(vocab)
+            else answer_grammar(self.vocab)
         )
         started = time.monotonic()
-        reply = client.chat.completions.create(
-            model=session_id,
+        reply = self.client.chat.completions.create(
+            model=self.session_id,
             messages=messages,  # type: ignore[arg-type]
             tools=TOOLS,  # type: ignore[arg-type]
             max_tokens=128,
@@ -83,13 +118,11 @@ def tool_loop(
             },
         )
         message = reply.choices[0].message
-        seen.append(
-            {
-                "prompt_ids": (reply.model_extra or {})["prompt_token_ids"],
-                "sampled": reply.choices[0].model_extra["token_ids"],
-                "seconds": time.monotonic() - started,
-            }
-        )
+        seen = {
+            "prompt_ids": (reply.model_extra or {})["prompt_token_ids"],
+            "sampled": reply.choices[0].model_extra["token_ids"],
+            "seconds": time.monotonic() - started,
+        }
         sent: dict[str, Any] = {"role": "assistant", "content": message.content}
         if message.tool_calls:
             sent["tool_calls"] = [c.model_dump() for c in message.tool_calls]
@@ -99,113 +132,342 @@ def tool_loop(
         messages.append(sent)
         for call in message.tool_calls or ():
             messages.append({"role": "tool", "tool_call_id": call.id, "content": weather(city)})
-    return seen
+        self.messages = messages
+        self.turns.append(seen)
+        return seen
+
+    def turn_when_served(self, timeout: float = 300) -> dict[str, Any]:
+        """A turn, retried while the stack has no path to an engine (503 until the session
+        servers find a new one; refused connections while no session server is ready)."""
+
+        def attempt() -> dict[str, Any]:
+            try:
+                return self.turn()
+            except openai.APIStatusError as error:
+                if error.status_code not in (502, 503):  # any other answer fails the test
+                    raise
+                raise AssertionError(str(error)) from error
+            except openai.APIConnectionError as error:
+                raise AssertionError(str(error)) from error
+
+        return wait_for(attempt, timeout=timeout, interval=5)
+
+    def summary(self) -> dict[str, Any]:
+        with self.admin() as admin:
+            return admin.get(f"/sessions/{self.session_id}").json()
+
+    def trajectory(self) -> dict[str, Any]:
+        with self.admin() as admin:
+            return admin.get(f"/sessions/{self.session_id}/trajectory").json()
+
+    def assert_one_contiguous_segment(self) -> None:
+        """The engine's own prompt ids on every turn start with everything before (prompt +
+        sampled tokens of the previous turn, unchanged), and the stored trajectory is one
+        segment holding exactly those tokens."""
+        for before, after in itertools.pairwise(self.turns):
+            stored = before["prompt_ids"] + before["sampled"]
+            assert after["prompt_ids"][: len(stored)] == stored
+        summary = self.summary()
+        assert (summary["turns"], summary["segments"], summary["breaks"]) == (
+            len(self.turns),
+            1,
+            {},
+        ), summary
+        [branch] = self.trajectory()["branches"]
+        [segment] = branch["segments"]
+        last = self.turns[-1]
+        assert segment["token_ids"] == last["prompt_ids"] + last["sampled"]
+        assert sum(segment["loss_mask"]) == sum(len(t["sampled"]) for t in self.turns)
 
 
-def assert_contiguous(turns: list[dict[str, Any]]) -> None:
-    """The engine's own prompt ids on every turn start with everything before: prompt +
-    sampled tokens of the previous turn, unchanged."""
-    for before, after in itertools.pairwise(turns):
-        stored = before["prompt_ids"] + before["sampled"]
-        assert after["prompt_ids"][: len(stored)] == stored
+@dataclass
+class Stack:
+    node: Node
+    chart: Path
+    base: str
+    key: str
+    vocab: dict[str, int]
+
+    def conversation(self) -> Conversation:
+        return Conversation(self.base, self.key, self.vocab)
 
 
 def diagnose(node: Node) -> None:
     """What an admin would look at, printed when a step fails."""
     for args in (
-        ("get", "pods", "-n", NS, "-o", "wide"),
-        ("describe", "pods", "-n", NS, "-l", "app.kubernetes.io/name=vllm"),
-        ("logs", "-n", NS, "-l", "app.kubernetes.io/name=vllm", "--tail=60"),
-        ("logs", "-n", NS, "-l", "app.kubernetes.io/name=tokenkeep", "--tail=60"),
-        ("get", "events", "-n", NS),
-    ):
+        ("get", "modelservers,sessionservers,pods", "-n", NS, "-o", "wide"),
+        ("describe", "pods", "-n", NS),
+        ("logs", "-n", NS, "-l", ENGINE_PODS, "--tail=40"),
+        ("logs", "-n", NS, "-l", SESSION_PODS, "--tail=60"),
+        ("logs", "-n", OPERATOR_NAMESPACE, "-l", OPERATOR_PODS, "--tail=60"),
+        ("get", "events", "-n", NS, "--sort-by=.lastTimestamp"),
+    ):  # fmt: skip
         print(f"$ kubectl {' '.join(args)}\n{node.kubectl(*args, check=False)}")
 
 
-def test_helm_install_apply_examples_and_a_harness_through_the_service(
-    node: Node, release: Any
-) -> None:
+@pytest.fixture(autouse=True)
+def _diagnose_failures(node: Node, request: pytest.FixtureRequest) -> Iterator[None]:
+    yield
+    report = getattr(request.node, "rep_call", None)
+    if report is not None and report.failed:
+        diagnose(node)
+
+
+@pytest.fixture(scope="module")
+def stack(node: Node, release: Path) -> Stack:
+    """`kubectl apply -f examples/cpu/` and both resources Ready through real probes."""
+    node.kubectl("create", "namespace", NS)
+    started = time.monotonic()
+    node.kubectl("apply", "-n", NS, "-f", str(EXAMPLES))
     try:
-        run_stack(node)
+        wait_for(lambda: ready(node, "modelserver", "tiny-qwen3"), timeout=900, interval=5)
+        node.timings["modelserver_ready_s"] = time.monotonic() - started
+        wait_for(lambda: ready(node, "sessionserver", "rollouts"), timeout=600, interval=5)
+        node.timings["sessionserver_ready_s"] = time.monotonic() - started
     except BaseException:
         diagnose(node)
         raise
+    service = node.json("get", "service", "rollouts-sessions", "-n", NS)
+    base = f"http://{service['spec']['clusterIP']}:{service['spec']['ports'][0]['port']}"
+    secret = node.json("get", "secret", "rollouts-admin-key", "-n", NS)
+    key = base64.b64decode(secret["data"]["admin-key"]).decode()
+    vocab = Tokenizer.from_file(str(qwen3_dir() / "tokenizer.json")).get_vocab()
+    return Stack(node, release, base, key, vocab)
 
 
-def run_stack(node: Node) -> None:
-    # The operator: a pod of the chart's Deployment, Ready, holding the chart's Lease.
+def test_the_operator_runs_as_a_pod_holding_the_charts_lease(node: Node, release: Path) -> None:
     lease = node.json("get", "lease", "tokenkeep-operator", "-n", OPERATOR_NAMESPACE)
     assert lease["metadata"]["labels"]["app.kubernetes.io/instance"] == RELEASE
-    wait_for(
+    holder = wait_for(
         lambda: node.json("get", "lease", "tokenkeep-operator", "-n", OPERATOR_NAMESPACE)[
             "spec"
         ].get("holderIdentity"),
         timeout=120,
     )
+    [pod] = node.json("get", "pods", "-n", OPERATOR_NAMESPACE)["items"]
+    assert pod["spec"]["serviceAccountName"].startswith(RELEASE)
+    assert pod["metadata"]["name"] in holder
 
-    node.kubectl("create", "namespace", NS)
-    started = time.monotonic()
-    node.kubectl("apply", "-n", NS, "-f", str(EXAMPLES))
-    wait_for(lambda: ready(node, "modelserver", "tiny-qwen3"), timeout=900, interval=5)
-    node.timings["modelserver_ready_s"] = time.monotonic() - started
-    wait_for(lambda: ready(node, "sessionserver", "rollouts"), timeout=600, interval=5)
-    node.timings["sessionserver_ready_s"] = time.monotonic() - started
 
+def test_a_tool_loop_through_the_service_is_one_contiguous_segment(stack: Stack) -> None:
+    node = stack.node
     # `kubectl get` columns say what the pods say.
     table = node.kubectl("get", "modelservers,sessionservers", "-n", NS)
     assert "tiny-qwen3" in table and "rollouts" in table
+    conversation = stack.conversation()
+    for _ in SCRIPT:
+        conversation.turn()
+    node.timings["turn_s"] = sorted(t["seconds"] for t in conversation.turns)[len(SCRIPT) // 2]
+    conversation.assert_one_contiguous_segment()
 
-    base, key = session_service(node), admin_key(node)
-    vocab = Tokenizer.from_file(str(qwen3_dir() / "tokenizer.json")).get_vocab()
-    session_id = f"cluster-{uuid.uuid4().hex[:12]}"
-    turns = tool_loop(base, key, vocab, session_id, turns=len(SCRIPT))
-    node.timings["turn_s"] = sorted(t["seconds"] for t in turns)[len(turns) // 2]
-    assert_contiguous(turns)
-    with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}) as admin:
-        summary = admin.get(f"/sessions/{session_id}").json()
-        trajectory = admin.get(f"/sessions/{session_id}/trajectory").json()
-    assert (summary["turns"], summary["segments"], summary["breaks"]) == (len(SCRIPT), 1, {})
-    [branch] = trajectory["branches"]
-    [segment] = branch["segments"]
-    assert segment["token_ids"] == turns[-1]["prompt_ids"] + turns[-1]["sampled"]
-    assert sum(segment["loss_mask"]) == sum(len(t["sampled"]) for t in turns)
-
-    # The start-up check behind the operator's admin key says the model is token-exact.
-    pod = node.json("get", "pods", "-n", NS, "-l", "app.kubernetes.io/name=tokenkeep")["items"][0]
+    # The start-up check behind the operator's admin key says the model is token-exact, and a
+    # normal start logs no traceback (session server, engine, operator).
+    [pod] = node.json("get", "pods", "-n", NS, "-l", SESSION_PODS)["items"]
     logs = node.kubectl("logs", "-n", NS, pod["metadata"]["name"])
     assert "start-up check: token-exact" in logs or "start-up check (cached)" in logs, logs
-    assert "Traceback" not in logs
+    for namespace, selector in ((NS, SESSION_PODS), (OPERATOR_NAMESPACE, OPERATOR_PODS)):
+        logs = node.kubectl("logs", "-n", namespace, "-l", selector, "--tail=-1")
+        assert "Traceback" not in logs, logs
 
-    print(f"cluster tier timings: {json.dumps(node.timings)}")
 
-    # Delete the engine pod: the Deployment replaces it (maxSurge 0: meanwhile there is no
-    # engine, and turns get a clean 503), then sessions run on the replacement, found
-    # through the headless Service's DNS.
-    selector = "app.kubernetes.io/name=vllm"
-    engine = node.json("get", "pods", "-n", NS, "-l", selector)["items"][0]["metadata"]["name"]
+def test_the_same_session_continues_on_a_replaced_engine_pod(stack: Stack) -> None:
+    """Delete the engine pod: the Deployment replaces it (maxSurge 0: meanwhile there is no
+    engine, and turns get a clean 503), the session servers find the replacement through the
+    headless Service's DNS, and the session started before goes on as one segment."""
+    node = stack.node
+    conversation = stack.conversation()
+    conversation.turn()
+    conversation.turn()
+    [engine] = node.json("get", "pods", "-n", NS, "-l", ENGINE_PODS)["items"]
     started = time.monotonic()
-    node.kubectl("delete", "pod", "-n", NS, engine, "--timeout=300s")
-    node.kubectl("wait", "-n", NS, "--for=condition=Ready", "pod", "-l", selector, "--timeout=900s")
+    node.kubectl("delete", "pod", "-n", NS, engine["metadata"]["name"], "--timeout=300s")
+    wait_for(lambda: pods_ready(node, ENGINE_PODS, 1), timeout=900, interval=5)
     node.timings["engine_replaced_s"] = time.monotonic() - started
-    # With no engine the session servers report not ready (/readyz), so the Service has no
-    # endpoint until they have found the replacement.
-    node.kubectl(
-        "wait", "-n", NS, "--for=condition=Ready", "pod", "-l",
-        "app.kubernetes.io/name=tokenkeep", "--timeout=300s",
+    conversation.turn_when_served()
+    conversation.assert_one_contiguous_segment()
+
+
+def engine_requests(node: Node) -> dict[str, float]:
+    """Finished requests per engine pod, from each vLLM's own /metrics (pod IPs are reachable
+    from the node)."""
+    counted = {}
+    for pod in node.json("get", "pods", "-n", NS, "-l", ENGINE_PODS)["items"]:
+        if pod["metadata"].get("deletionTimestamp") or not pod["status"].get("podIP"):
+            continue
+        text = httpx.get(f"http://{pod['status']['podIP']}:8000/metrics", timeout=30).text
+        lines = [
+            line for line in text.splitlines() if line.startswith("vllm:request_success_total")
+        ]
+        assert lines, "vLLM reports no vllm:request_success_total"
+        counted[pod["metadata"]["name"]] = sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+    return counted
+
+
+def test_two_engine_replicas_both_serve_sessions_with_affinity(stack: Stack) -> None:
+    """Scale the ModelServer to 2 (each engine requests 250m of the node's 2 CPUs): the session
+    servers discover the new replica, sessions spread over both, and every turn of a session
+    goes to the engine that served its first (its prefix cache holds the conversation)."""
+    node = stack.node
+    started = time.monotonic()
+    node.kubectl("patch", "modelserver", "tiny-qwen3", "-n", NS, "--type=merge",
+                 "-p", '{"spec": {"replicas": 2}}')  # fmt: skip
+    wait_for(
+        lambda: (
+            node.json("get", "modelserver", "tiny-qwen3", "-n", NS)["status"].get("readyReplicas")
+            == 2
+            and ready(node, "modelserver", "tiny-qwen3")
+        ),
+        timeout=900,
+        interval=5,
+    )
+    node.timings["second_replica_ready_s"] = time.monotonic() - started
+
+    def both_discovered() -> bool:
+        with httpx.Client(base_url=stack.base, timeout=30) as client:
+            text = client.get("/metrics", headers={"Authorization": f"Bearer {stack.key}"}).text
+        up = [ln for ln in text.splitlines() if ln.startswith("tokenkeep_engine_replica_up{")]
+        return len(up) == 2 and all(ln.endswith(" 1.0") for ln in up)
+
+    wait_for(both_discovered, timeout=300, interval=5)
+
+    served_by: dict[str, set[str]] = {}
+    for _ in range(12):
+        conversation = stack.conversation()
+        engines = set()
+        for _ in range(2):
+            before = engine_requests(node)
+            conversation.turn()
+            # vLLM counts a request as it finishes, maybe just after answering.
+            after = wait_for(
+                lambda before=before: (
+                    (now := engine_requests(node))
+                    and sum(now.values()) >= sum(before.values()) + 1
+                    and now
+                ),
+                timeout=30,
+                interval=0.5,
+            )
+            moved = [name for name in after if after[name] > before.get(name, 0)]
+            assert len(moved) == 1, (before, after)
+            engines.add(moved[0])
+        conversation.assert_one_contiguous_segment()
+        assert len(engines) == 1, f"session {conversation.session_id} moved: {engines}"
+        served_by[conversation.session_id] = engines
+        if len(set().union(*served_by.values())) == 2 and len(served_by) >= 3:
+            break
+    assert len(set().union(*served_by.values())) == 2, served_by
+
+    node.kubectl("patch", "modelserver", "tiny-qwen3", "-n", NS, "--type=merge",
+                 "-p", '{"spec": {"replicas": 1}}')  # fmt: skip
+    wait_for(lambda: pods_ready(node, ENGINE_PODS, 1), timeout=300, interval=5)
+
+
+def test_helm_upgrade_rolls_the_session_servers_without_losing_a_session(stack: Stack) -> None:
+    """`helm upgrade` to a new tokenkeep image tag (the same image under a second tag here):
+    the operator pod rolls, the new one takes the Lease and renders the session servers with
+    its image, their Deployment rolls, and a session begun before goes on from Redis."""
+    node = stack.node
+    conversation = stack.conversation()
+    conversation.turn()
+    conversation.turn()
+    current = stack.node.images["tokenkeep"]["ref"]
+    upgraded = current + "-upgrade"
+    node.ctr("images", "tag", current, upgraded)
+    started = time.monotonic()
+    node.helm(
+        "upgrade", RELEASE, str(stack.chart), "-n", OPERATOR_NAMESPACE, "--reuse-values",
+        "--set", f"image.tag={upgraded.split(':', 1)[1]}", "--wait", "--timeout", "5m",
     )  # fmt: skip
 
-    def serves() -> list[dict[str, Any]]:
-        try:
-            return tool_loop(base, key, vocab, f"cluster-{uuid.uuid4().hex[:12]}", turns=2)
-        except openai.APIStatusError as error:  # 503 until the new address is discovered
-            assert error.status_code == 503, error
-            raise AssertionError(str(error)) from error
-        except httpx.ConnectError as error:  # no ready session server behind the Service yet
-            raise AssertionError(str(error)) from error
+    def rolled() -> bool:
+        deployment = node.json("get", "deployment", "rollouts-sessions", "-n", NS)
+        [container] = deployment["spec"]["template"]["spec"]["containers"]
+        status = deployment["status"]
+        return (
+            container["image"] == upgraded
+            and status.get("updatedReplicas") == status.get("replicas") == 1
+            and status.get("readyReplicas") == 1
+            and pods_ready(node, SESSION_PODS, 1)
+        )
 
-    assert_contiguous(wait_for(serves, timeout=300, interval=5))
+    wait_for(rolled, timeout=600, interval=5)
+    node.timings["helm_upgrade_rolled_s"] = time.monotonic() - started
+    wait_for(lambda: ready(node, "sessionserver", "rollouts"), timeout=300, interval=5)
+    conversation.turn_when_served()
+    conversation.assert_one_contiguous_segment()
 
-    # Delete everything, then uninstall: nothing left, no stuck finalizer, no Lease.
+
+def test_faults_are_conditions_with_warnings_and_recover_once_fixed(stack: Stack) -> None:
+    """A SessionServer naming a ModelServer that does not exist, then images missing on the
+    node (ErrImageNeverPull) for its session server and its Redis (Redis down at start): each
+    a condition and a Warning event saying what to do; once the cause is fixed (the reference
+    corrected, the images imported) it becomes Ready with no edit of the resource. Meanwhile a
+    ModelServer with a wrong model path crash-loops and says why. The operator never
+    restarts."""
+    node = stack.node
+    session_image = stack.node.images["tokenkeep"]["ref"] + "-fault"
+    redis_image = stack.node.images["redis"]["ref"] + "-fault"
+    faulty = {
+        "apiVersion": "tokenkeep.dev/v1alpha1",
+        "kind": "SessionServer",
+        "metadata": {"name": "faulty"},
+        "spec": {
+            "modelServerRef": {"name": "absent"},
+            "image": session_image,
+            "imagePullPolicy": "Never",
+            "resources": {"requests": {"cpu": "10m", "memory": "128Mi"}},
+            "redis": {
+                "mode": "Managed",
+                "managed": {
+                    "image": redis_image,
+                    "storageSize": "64Mi",
+                    "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}},
+                },
+            },
+        },
+    }
+    broken = yaml.safe_load((EXAMPLES / "modelserver.yaml").read_text())
+    broken["metadata"]["name"] = "wrong-path"
+    broken["spec"]["model"]["uri"] = "file:///models/not-there"
+    broken["spec"]["resources"] |= {"cpu": "10m", "memory": "2Gi"}
+    node.kubectl("apply", "-n", NS, "-f", "-", input=yaml.safe_dump_all([faulty, broken]))
+
+    def fault(kind: str, name: str, reason: str) -> dict[str, Any]:
+        obj = node.json("get", kind, name, "-n", NS)
+        degraded = condition(obj, "Degraded")
+        assert (degraded.get("status"), degraded.get("reason")) == ("True", reason), degraded
+        assert condition(obj, "Ready")["status"] == "False"
+        warnings = [e for e in events(node, name) if e[:2] == ("Warning", reason)]
+        assert warnings, events(node, name)
+        return degraded
+
+    missing = wait_for(lambda: fault("sessionserver", "faulty", "ModelServerNotFound"), 120)
+    assert "ModelServer absent does not exist" in missing["message"]
+
+    node.kubectl("patch", "sessionserver", "faulty", "-n", NS, "--type=merge",
+                 "-p", '{"spec": {"modelServerRef": {"name": "tiny-qwen3"}}}')  # fmt: skip
+    pulled = wait_for(lambda: fault("sessionserver", "faulty", "ImagePullFailed"), 300, 5)
+    assert "not present with pull policy of Never" in pulled["message"], pulled
+    assert "load the image into the node" in pulled["message"], pulled
+
+    crashed = wait_for(lambda: fault("modelserver", "wrong-path", "CrashLoop"), 600, 5)
+    assert "its last log line:" in crashed["message"], crashed
+    assert "not-there" in crashed["message"], crashed
+    node.kubectl("delete", "modelserver", "wrong-path", "-n", NS, "--wait=false")
+
+    # The fix: the images the resource names are put on the node. Nothing else is touched.
+    node.ctr("images", "tag", stack.node.images["tokenkeep"]["ref"], session_image)
+    node.ctr("images", "tag", stack.node.images["redis"]["ref"], redis_image)
+    wait_for(lambda: ready(node, "sessionserver", "faulty"), timeout=600, interval=5)
+    assert ("Normal", "Available") in [e[:2] for e in events(node, "faulty")]
+    node.kubectl("delete", "sessionserver", "faulty", "-n", NS, "--timeout=300s")
+
+    [operator] = node.json("get", "pods", "-n", OPERATOR_NAMESPACE)["items"]
+    assert all(c["restartCount"] == 0 for c in operator["status"]["containerStatuses"])
+
+
+def test_deleting_the_resources_and_uninstalling_leaves_nothing(stack: Stack) -> None:
+    node = stack.node
     node.kubectl("delete", "-n", NS, "-f", str(EXAMPLES), "--timeout=300s")
     assert node.kubectl("get", "modelservers,sessionservers", "-n", NS, "-o", "name") == ""
     node.helm("uninstall", RELEASE, "-n", OPERATOR_NAMESPACE, "--wait", "--timeout", "5m")
@@ -215,4 +477,3 @@ def run_stack(node: Node) -> None:
         lambda: node.kubectl("get", "pods", "-n", OPERATOR_NAMESPACE, "-o", "name") == "",
         timeout=120,
     )
-    print(f"cluster tier timings: {json.dumps(node.timings)}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from tokenkeep_operator import status as st
+from tokenkeep_operator.reconcile import event_for
 
 
 def deployment(replicas: int, ready: int, generation: int = 1, **extra: Any) -> dict[str, Any]:
@@ -81,6 +82,65 @@ def test_reasons_come_from_pod_states() -> None:
         found = conditions_of(st.Workload(deployment(1, 0), [pod(pod_status)]))
         assert found["Ready"] == ("False", reason), reason
         assert found["Degraded"] == ("True", reason), reason
+
+
+def test_an_image_missing_on_the_node_says_what_to_do() -> None:
+    missing = waiting(
+        "ErrImageNeverPull",
+        'Container image "tokenkeep/vllm-cpu:x" is not present with pull policy of Never',
+    )
+    found = conditions_of(st.Workload(deployment(1, 0), [pod(missing, "engine-0")]))
+    assert found["Degraded"] == ("True", "ImagePullFailed")
+    [problem] = st.pod_problems([pod(missing, "engine-0")])
+    assert '"tokenkeep/vllm-cpu:x" is not present' in problem.message
+    assert "load the image into the node" in problem.message
+
+
+def test_an_engine_crashing_at_start_quotes_its_last_log_line() -> None:
+    """A wrong model path: vLLM exits at start, kubelet keeps the log's tail as the
+    termination message (FallbackToLogsOnError), the condition quotes its last line and
+    names the command that shows the rest."""
+    crashed = {
+        "phase": "Running",
+        "containerStatuses": [
+            {
+                "name": "vllm",
+                "restartCount": 2,
+                "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 20s"}},
+                "lastState": {
+                    "terminated": {
+                        "exitCode": 1,
+                        "reason": "Error",
+                        "message": "Traceback (most recent call last):\n  ...\n"
+                        "OSError: /models/nope is not a local folder\n\n",
+                    }
+                },
+            }
+        ],
+    }
+    [problem] = st.pod_problems([pod(crashed, "tiny-engine-0")])
+    assert problem.reason == "CrashLoop"
+    assert "last exit 1 (Error)" in problem.message
+    assert "its last log line: OSError: /models/nope is not a local folder" in problem.message
+    assert "kubectl logs --previous tiny-engine-0 -c vllm" in problem.message
+
+
+def test_a_fault_is_one_warning_and_its_fix_one_normal_event() -> None:
+    """A SessionServer naming a ModelServer that does not exist: a Warning an admin can act
+    on, once (no event while nothing changes); once the ModelServer exists, progress is
+    Normal."""
+    missing = st.blocked_conditions(
+        "ModelServerNotFound", "ModelServer tiny does not exist in namespace rl", 1
+    )
+    assert event_for(missing, []) == (
+        "Warning",
+        "ModelServerNotFound",
+        "ModelServer tiny does not exist in namespace rl",
+    )
+    assert event_for(missing, missing) is None
+    starting = st.workload_conditions(st.Workload(deployment(1, 0)), 1, 1, what="session server")
+    kind, reason, _ = event_for(starting, missing) or ("", "", "")
+    assert (kind, reason) == ("Normal", "Starting")
 
 
 def test_the_most_actionable_reason_wins() -> None:

@@ -157,6 +157,9 @@ def _container(owner: Owner, spec: ModelServerSpec) -> dict[str, Any]:
             "preStop": {"exec": {"command": ["sleep", str(ENDPOINT_PROPAGATION_SECONDS)]}}
         },
         "volumeMounts": mounts,
+        # A crash at start (a wrong model path, a bad argument) then shows its last log line
+        # in the pod status, which the ModelServer's CrashLoop condition quotes.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
     }
 
 

@@ -184,6 +184,8 @@ def deployment(
             "preStop": {"exec": {"command": ["sleep", str(ENDPOINT_PROPAGATION_SECONDS)]}}
         },
         "resources": resources,
+        # A crash at start shows its last log line in the SessionServer's CrashLoop condition.
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "securityContext": {
             "allowPrivilegeEscalation": False,
             "readOnlyRootFilesystem": True,
