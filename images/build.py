@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import inspect
 import io
 import json
 import os
@@ -36,7 +37,8 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from session_server import __version__, localengine
@@ -70,6 +72,13 @@ def digest(*parts: str | bytes) -> str:
         h.update(part.encode() if isinstance(part, str) else part)
         h.update(b"\0")
     return h.hexdigest()[:16]
+
+
+def recipe(*steps: Callable[..., object]) -> str:
+    """What builds an image, as the source of the functions that do it (and of what every
+    image shares: writing the archive, cleaning the root): editing this file elsewhere (an
+    import, another image's recipe, the parallel driver) rebuilds nothing."""
+    return digest(*(inspect.getsource(f) for f in (*steps, write_image, _clean)))
 
 
 def tree_digest(paths: Iterable[Path]) -> str:
@@ -206,7 +215,7 @@ def tokenkeep_image() -> Path:
         (REPO / "Dockerfile").read_text(),
         tree_digest([REPO / c for c in copies]),
         base("python").name,
-        Path(__file__).read_text(),
+        recipe(tokenkeep_image, build_network, dockerfile_stages, env_pairs),
     )
     out = OUT / "tokenkeep.tar"
     if _cached(out, key):
@@ -302,7 +311,9 @@ def engine_image() -> Path:
         (model / "built.json").read_text(),
         json.dumps(localengine.CPU_ENGINE_ENV),
         base("engine").name,
-        Path(__file__).read_text(),
+        recipe(engine_image, _relocate_venv, _alias_dist, _replace),
+        ENGINE_VENV,
+        ENGINE_MODEL,
     )
     out = OUT / "vllm-cpu.tar"
     if _cached(out, key):
@@ -398,7 +409,7 @@ def _alias_dist(venv: Path, installed: str, alias: str) -> None:
 
 
 def redis_image() -> Path:
-    key = digest(base("redis").name, Path(__file__).read_text())
+    key = digest(base("redis").name, recipe(redis_image))
     out = OUT / "redis.tar"
     if _cached(out, key):
         return out
@@ -458,11 +469,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     started = time.monotonic()
     CACHE.mkdir(parents=True, exist_ok=True)
-    built = {
-        "tokenkeep": (TOKENKEEP_REF, tokenkeep_image()),
-        "engine": (ENGINE_REF, engine_image()),
-        "redis": (REDIS_REF, redis_image()),
-    }
+    # Side by side: each waits on Debian's mirror, pip or the disk at different times.
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        jobs = {
+            "tokenkeep": (TOKENKEEP_REF, pool.submit(tokenkeep_image)),
+            "engine": (ENGINE_REF, pool.submit(engine_image)),
+            "redis": (REDIS_REF, pool.submit(redis_image)),
+        }
+        built = {name: (ref, job.result()) for name, (ref, job) in jobs.items()}
     (OUT / "values-local.yaml").write_text(values_local())
     (OUT / "images.json").write_text(
         json.dumps({k: {"ref": ref, "archive": str(p)} for k, (ref, p) in built.items()}, indent=1)

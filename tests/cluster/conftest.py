@@ -81,6 +81,14 @@ class Node:
         assert done.returncode == 0, f"ctr {' '.join(args)}: {done.stderr}"
         return done.stdout
 
+    def tag_image(self, ref: str, new_ref: str) -> None:
+        """Put an imported image on the node under a second name (as importing it again under
+        that name would). containerd keeps them normalized (`docker.io/...`), as the kubelet
+        asks for them."""
+        names = self.ctr("images", "ls", "-q").split()
+        [source] = [n for n in names if n == ref or n.endswith(f"/{ref}")]
+        self.ctr("images", "tag", source, source.removesuffix(ref) + new_ref)
+
     def helm(self, *args: str) -> str:
         done = subprocess.run(
             [str(helm_binary()), "--kubeconfig", str(self.cluster.kubeconfig), *args],

@@ -372,7 +372,7 @@ def test_helm_upgrade_rolls_the_session_servers_without_losing_a_session(stack: 
     conversation.turn()
     current = stack.node.images["tokenkeep"]["ref"]
     upgraded = current + "-upgrade"
-    node.ctr("images", "tag", current, upgraded)
+    node.tag_image(current, upgraded)
     started = time.monotonic()
     node.helm(
         "upgrade", RELEASE, str(stack.chart), "-n", OPERATOR_NAMESPACE, "--reuse-values",
@@ -456,14 +456,14 @@ def test_faults_are_conditions_with_warnings_and_recover_once_fixed(stack: Stack
     node.kubectl("delete", "modelserver", "wrong-path", "-n", NS, "--wait=false")
 
     # The fix: the images the resource names are put on the node. Nothing else is touched.
-    node.ctr("images", "tag", stack.node.images["tokenkeep"]["ref"], session_image)
-    node.ctr("images", "tag", stack.node.images["redis"]["ref"], redis_image)
+    node.tag_image(stack.node.images["tokenkeep"]["ref"], session_image)
+    node.tag_image(stack.node.images["redis"]["ref"], redis_image)
     wait_for(lambda: ready(node, "sessionserver", "faulty"), timeout=600, interval=5)
     assert ("Normal", "Available") in [e[:2] for e in events(node, "faulty")]
     node.kubectl("delete", "sessionserver", "faulty", "-n", NS, "--timeout=300s")
 
-    [operator] = node.json("get", "pods", "-n", OPERATOR_NAMESPACE)["items"]
-    assert all(c["restartCount"] == 0 for c in operator["status"]["containerStatuses"])
+    for operator in node.json("get", "pods", "-n", OPERATOR_NAMESPACE)["items"]:
+        assert all(c["restartCount"] == 0 for c in operator["status"]["containerStatuses"])
 
 
 def test_deleting_the_resources_and_uninstalling_leaves_nothing(stack: Stack) -> None:
