@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -148,11 +149,32 @@ def stop_node(scripts: Path, cluster: Cluster, run_dir: Path) -> None:
             os.kill(pid, signal.SIGKILL)
     for mount in mounts_under(run_dir):
         subprocess.run(["umount", "-l", mount], check=False)
-    shutil.rmtree(run_dir / "node" / "containerd", ignore_errors=True)
-    shutil.rmtree(run_dir / "pv", ignore_errors=True)
+    remove_kubelet_chains()
     left = [p for p in pids if alive(p)]
     assert not left, f"node processes still running after stop: {left}"
     assert not mounts_under(run_dir), mounts_under(run_dir)
+
+
+def remove_kubelet_chains() -> None:
+    """The iptables chains the kubelet makes (KUBE-FIREWALL drops marked packets and blocks
+    outside traffic to 127.0.0.0/8) and kube-proxy's cleanup leaves: their jumps from the
+    built-in chains, then the chains."""
+    for tool in ("iptables", "ip6tables"):
+        if shutil.which(tool) is None:
+            continue
+        for table in ("filter", "nat", "mangle"):
+            listed = subprocess.run(
+                [tool, "-t", table, "-S"], capture_output=True, text=True, check=False
+            ).stdout.splitlines()
+            for rule in listed:
+                words = shlex.split(rule)
+                if words[:1] == ["-A"] and not words[1].startswith("KUBE-") and "KUBE-" in rule:
+                    subprocess.run([tool, "-t", table, "-D", *words[1:]], check=False)
+            chains = [r.split()[1] for r in listed if r.startswith("-N KUBE-")]
+            for chain in chains:
+                subprocess.run([tool, "-t", table, "-F", chain], check=False)
+            for chain in chains:
+                subprocess.run([tool, "-t", table, "-X", chain], check=False)
 
 
 @pytest.fixture(scope="session")
