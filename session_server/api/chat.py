@@ -11,6 +11,7 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from session_server.api import turn_service
 from session_server.api.params import explicit_sampling
 from session_server.api.routing import LeanRoute, convert
 from session_server.api.session_ids import check_session_id, session_id_from_headers
@@ -421,7 +422,7 @@ async def _chunks(
 
 
 async def _serve(session_id: str, body: ChatCompletionRequest, request: Request) -> Any:
-    service = request.app.state.turns
+    service = turn_service(request)
     conversation = await convert(request, to_conversation, body)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return await serve_turn(
@@ -468,11 +469,11 @@ def models_payload(model_name: str, context_length: int) -> dict[str, Any]:
 @router.get("/sessions/{session_id}/v1/models")
 async def session_models(session_id: str, request: Request) -> dict[str, Any]:
     check_session_id(session_id)
-    config = request.app.state.turns.config
+    config = turn_service(request).config
     return models_payload(config.model_name, config.context_length)
 
 
 @router.get("/v1/models")
 async def models(request: Request) -> dict[str, Any]:
-    config = request.app.state.turns.config
+    config = turn_service(request).config
     return models_payload(config.model_name, config.context_length)

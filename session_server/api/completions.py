@@ -15,6 +15,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from session_server.api import turn_service
 from session_server.api.params import explicit_sampling
 from session_server.api.routing import LeanRoute
 from session_server.api.session_ids import check_session_id, session_id_from_headers
@@ -233,7 +234,7 @@ async def _chunks(
 
 
 async def _serve(session_id: str, body: CompletionRequest, request: Request) -> Any:
-    service = request.app.state.turns
+    service = turn_service(request)
     conversation = to_conversation(body)
     ids = prompt_ids(body, service.model)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)

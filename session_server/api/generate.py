@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from session_server.api import turn_service
 from session_server.api.params import SAMPLING_FIELDS
 from session_server.api.routing import LeanRoute
 from session_server.api.session_ids import check_session_id, session_id_from_headers
@@ -146,7 +147,7 @@ def format_result(result: TurnResult, body: GenerateRequest) -> dict[str, Any]:
 
 
 async def _serve(session_id: str, body: GenerateRequest, request: Request) -> Any:
-    service = request.app.state.turns
+    service = turn_service(request)
     conversation = to_conversation(body)
     ids = list(body.token_ids)
 
