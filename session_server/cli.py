@@ -175,9 +175,9 @@ _DELEGATED = {
     "engine": ("session_server.devtools.localengine", "a real vLLM engine on this machine's CPU"),
     "operator": ("tokenkeep_operator.cli", "run the Kubernetes operator"),
     "demo": ("session_server.devtools.demo", "run the whole stack locally and drive a session"),
-    "sessions": ("session_server.sessions_cli", "list a running server's sessions, show one"),
+    "sessions": ("tokenkeep.cli.sessions", "list a running server's sessions, show one"),
     "check": ("session_server.check", "will this model's rollouts stay token-exact? (pre-flight)"),
-    "export": ("tokenkeep.cli", "write finished rollouts to a Parquet or JSONL file"),
+    "export": ("tokenkeep.cli.export", "write finished rollouts to a Parquet or JSONL file"),
 }
 
 

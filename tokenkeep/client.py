@@ -124,6 +124,11 @@ def _export(
     return _Call("POST", "/sessions/export", json={**fixed, **body})
 
 
+def _viewer_sessions(limit: int, offset: int, metadata: str | None, state: str | None) -> _Call:
+    params = _without_none({"metadata": metadata, "state": state})
+    return _Call("GET", "/ui/api/sessions", params={"limit": limit, "offset": offset, **params})
+
+
 def _finished(data: dict[str, Any]) -> list[FinishedSession]:
     return [
         FinishedSession(s["id"], s["metadata"], Finish.from_json(s["finish"]))
@@ -280,6 +285,25 @@ class Client:
     def export_batch(self, *, pad_id: int = 0, **selection: Any) -> Batch:
         """`export(**selection)` stacked into padded NumPy arrays."""
         return Batch.from_rows(self.export(**selection), pad_id=pad_id)
+
+    def viewer_sessions(
+        self,
+        *,
+        limit: int = 50,
+        offset: int = 0,
+        metadata: str | None = None,
+        state: Literal["running", "finished"] | None = None,
+    ) -> dict[str, Any]:
+        """A page of sessions as the rollout viewer lists them, newest first (its JSON:
+        `sessions`, `total`, `offset`). `metadata` filters by `key=value[,key=value]`."""
+        data: dict[str, Any] = self._send(_viewer_sessions(limit, offset, metadata, state))
+        return data
+
+    def viewer_session(self, session_id: str) -> dict[str, Any]:
+        """One session as the rollout viewer shows it (its JSON): each branch's segments
+        with token ids, decoded pieces, loss mask, special-token flags and break reasons."""
+        data: dict[str, Any] = self._send(_Call("GET", f"/ui/api/sessions/{session_id}"))
+        return data
 
     def delete(self, session_id: str) -> None:
         self._send(_Call("DELETE", f"/sessions/{session_id}"))
