@@ -19,7 +19,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict, Unpack
 
 import httpx
 
@@ -97,14 +97,30 @@ def _list(selector: str | None, since: float | None, until: float | None, limit:
     return _Call("GET", "/sessions", params={"finished": "true", "limit": limit, **params})
 
 
+class ExportSelection(TypedDict, total=False):
+    """What `export` selects (every key optional; defaults as in `_export`)."""
+
+    session_ids: list[str] | None
+    selector: str | None
+    since: float | None
+    until: float | None
+    limit: int
+    min_weight_version: float | None
+    stale: Stale
+    group: str | None
+    status: list[str] | None
+    failed_members: str
+
+
 def _export(
-    session_ids: list[str] | None,
-    selector: str | None,
-    since: float | None,
-    until: float | None,
-    limit: int,
-    min_weight_version: float | None,
-    stale: Stale,
+    *,
+    session_ids: list[str] | None = None,
+    selector: str | None = None,
+    since: float | None = None,
+    until: float | None = None,
+    limit: int = 1000,
+    min_weight_version: float | None = None,
+    stale: Stale = "mask",
     group: str | None = None,
     status: list[str] | None = None,
     failed_members: str = "hold",
@@ -245,35 +261,15 @@ class Client:
     ) -> list[FinishedSession]:
         return _finished(self._send(_list(selector, since, until, limit)))
 
-    def export(
-        self,
-        *,
-        session_ids: list[str] | None = None,
-        selector: str | None = None,
-        since: float | None = None,
-        until: float | None = None,
-        limit: int = 1000,
-        min_weight_version: float | None = None,
-        stale: Stale = "mask",
-        group: str | None = None,
-        status: list[str] | None = None,
-        failed_members: str = "hold",
-    ) -> Iterator[Row]:
-        """Rows (one per segment) of finished sessions, streamed as the server sends them.
-        Raises TokenkeepError before the first row for a batch that cannot be exported
-        (an unknown or unfinished session, nothing matching)."""
-        call = _export(
-            session_ids,
-            selector,
-            since,
-            until,
-            limit,
-            min_weight_version,
-            stale,
-            group,
-            status,
-            failed_members,
-        )
+    def export(self, **selection: Unpack[ExportSelection]) -> Iterator[Row]:
+        """Rows (one per segment) of finished sessions, streamed as the server sends them:
+        named by `session_ids`, or every finished session matching `selector` (metadata
+        `key=value,...`), `since`/`until` (finish time) and `group`/`status`, at most `limit`;
+        `min_weight_version` with `stale` (`mask` or `drop`) for the staleness filter;
+        `failed_members` (`hold` or `drop`) for groups with failed rollouts. Raises
+        TokenkeepError before the first row for a batch that cannot be exported (an unknown
+        or unfinished session, nothing matching)."""
+        call = _export(**selection)
         with self._http.stream(call.method, call.path, json=call.json) as response:
             if response.status_code >= 400:
                 _raise_for(response.status_code, response.read())
@@ -398,32 +394,9 @@ class AsyncClient:
     ) -> list[FinishedSession]:
         return _finished(await self._send(_list(selector, since, until, limit)))
 
-    async def export(
-        self,
-        *,
-        session_ids: list[str] | None = None,
-        selector: str | None = None,
-        since: float | None = None,
-        until: float | None = None,
-        limit: int = 1000,
-        min_weight_version: float | None = None,
-        stale: Stale = "mask",
-        group: str | None = None,
-        status: list[str] | None = None,
-        failed_members: str = "hold",
-    ) -> AsyncIterator[Row]:
-        call = _export(
-            session_ids,
-            selector,
-            since,
-            until,
-            limit,
-            min_weight_version,
-            stale,
-            group,
-            status,
-            failed_members,
-        )
+    async def export(self, **selection: Unpack[ExportSelection]) -> AsyncIterator[Row]:
+        """`Client.export`, streamed asynchronously."""
+        call = _export(**selection)
         async with self._http.stream(call.method, call.path, json=call.json) as response:
             if response.status_code >= 400:
                 _raise_for(response.status_code, await response.aread())
