@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from session_server.api import turn_service
 from session_server.api.params import explicit_sampling
+from session_server.api.replies import tokenkeep_info, usage
 from session_server.api.routing import LeanRoute, convert
 from session_server.api.session_ids import check_session_id, session_id_from_headers
 from session_server.api.sse import (
@@ -288,10 +289,6 @@ def _completion_id(response_id: str) -> str:
     return "chatcmpl-" + response_id
 
 
-def _tokenkeep_info(result_or_start: TurnResult | StreamStarted) -> dict[str, Any]:
-    return {"kind": result_or_start.kind, "break_reason": result_or_start.break_reason}
-
-
 def format_result(result: TurnResult, conversation: Conversation, model: Any) -> dict[str, Any]:
     choices = []
     for c in result.choices:
@@ -312,12 +309,8 @@ def format_result(result: TurnResult, conversation: Conversation, model: Any) ->
         "created": result.created,
         "model": result.model,
         "choices": choices,
-        "usage": {
-            "prompt_tokens": result.prompt_tokens,
-            "completion_tokens": result.completion_tokens,
-            "total_tokens": result.prompt_tokens + result.completion_tokens,
-        },
-        "tokenkeep": {**_tokenkeep_info(result), "turn_ids": [c.turn_id for c in result.choices]},
+        "usage": usage(result),
+        "tokenkeep": tokenkeep_info(result),
     }
     if result.return_token_ids:
         body["prompt_token_ids"] = result.prompt_ids
@@ -353,7 +346,7 @@ async def _chunks(
                         }
                     ],
                     **({"prompt_token_ids": event.prompt_ids} if i == 0 and token_ids else {}),
-                    tokenkeep=_tokenkeep_info(event),
+                    tokenkeep=tokenkeep_info(event),
                 )
         elif isinstance(event, ChoiceDelta):
             delta: dict[str, Any] = {}
@@ -406,18 +399,7 @@ async def _chunks(
         elif isinstance(event, StreamFinished):
             result = event.result
             if include_usage:
-                yield chunk(
-                    [],
-                    usage={
-                        "prompt_tokens": result.prompt_tokens,
-                        "completion_tokens": result.completion_tokens,
-                        "total_tokens": result.prompt_tokens + result.completion_tokens,
-                    },
-                    tokenkeep={
-                        **_tokenkeep_info(result),
-                        "turn_ids": [c.turn_id for c in result.choices],
-                    },
-                )
+                yield chunk([], usage=usage(result), tokenkeep=tokenkeep_info(result))
     yield DONE
 
 
