@@ -177,8 +177,10 @@ def remove_kubelet_chains() -> None:
                 subprocess.run([tool, "-t", table, "-X", chain], check=False)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    """Module scope: in `make test` the node (and whatever a failed step left running on it)
+    is stopped as soon as the tier ends, not at the end of the whole suite."""
     problem = missing_node_prerequisites()
     if problem:
         pytest.skip(problem)
@@ -214,7 +216,7 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
         stop_node(scripts, cluster, run_dir)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def release(node: Node, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """`helm install` with dist/images/values-local.yaml; yields the chart copy."""
     chart = adapted_chart(tmp_path_factory.mktemp("chart"))
