@@ -33,10 +33,14 @@ def python312() -> str | None:
 
 
 def framework_python(
-    name: str, deps: tuple[str, ...], frameworks: tuple[str, ...], *, python: str = sys.executable
+    name: str,
+    deps: tuple[str, ...],
+    frameworks: tuple[str, ...] = (),
+    *,
+    python: str = sys.executable,
 ) -> Path:
     """The interpreter of the virtualenv `name`, built on first use: `deps` with their own
-    dependencies, then `frameworks` with `--no-deps`. Skipped where PyPI is unreachable
+    dependencies, then `frameworks` (if any) with `--no-deps`. Skipped where PyPI is unreachable
     (under CI=true a skip fails)."""
     venv = HARNESS_CACHE / name
     bin_python = venv / "bin" / "python"
@@ -46,7 +50,8 @@ def framework_python(
     if venv.exists():
         shutil.rmtree(venv)  # a half-built one from an interrupted run
     subprocess.run([python, "-m", "venv", str(venv)], check=True, timeout=300)
-    for arguments in ([*TOKENKEEP_DEPS, *deps], ["--no-deps", *frameworks]):
+    steps = [[*TOKENKEEP_DEPS, *deps]] + ([["--no-deps", *frameworks]] if frameworks else [])
+    for arguments in steps:
         done = subprocess.run(
             [str(bin_python), "-m", "pip", "install", "-q", *arguments],
             capture_output=True, text=True, timeout=900, check=False,

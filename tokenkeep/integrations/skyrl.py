@@ -41,8 +41,8 @@ def generator_output(rows: Iterable[Row], *, trajectory_ids: Any = None) -> dict
     the engine's first prompt as `prompt_token_ids`, the rest as `response_ids`, the loss mask
     over the response as `loss_masks`, the rollout logprobs (0.0 on context) and the finish
     reward (ValueError when finished without one). `trajectory_ids` (SkyRL's, from the input
-    batch) is passed through; export one row per trajectory (`branches="last"`) so they line
-    up."""
+    batch) is passed through: give one row per trajectory, in the input batch's order, so
+    they line up."""
     output: dict[str, Any] = {
         "prompt_token_ids": [],
         "response_ids": [],
