@@ -10,16 +10,16 @@ verl 0.9.1 and AReaL 1.0.4 share one virtualenv (torch 2.13.0 CPU, the file on d
 Gym 0.4.0 has one on Python 3.12 (it requires >= 3.12); each framework with `--no-deps` beside
 what its imported modules need (tests/integrations/venvs.py). SkyRL (>= 3.12 and torch at
 import: no CPU torch for 3.12 here) and slime (not on PyPI) are checked in this process
-against the fields read from their sources; slime's `Sample` is a stand-in (below)."""
+against the fields read from their sources; slime's `Sample` is a stand-in
+(slime_sample.py)."""
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import json
 import subprocess
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ import pytest
 from tests.api.stack import Stack, reply, tool_call
 from tests.engine_double import EngineDouble
 from tests.harnesses.conftest import live_stack
+from tests.integrations.slime_sample import Sample
 from tests.integrations.venvs import framework_python, python312
 from tokenkeep import AsyncClient
 from tokenkeep.integrations.skyrl import OPTIONAL, generator_output
@@ -238,28 +239,6 @@ def test_skyrl_generator_output(rollouts: Rollouts) -> None:
     assert output["rewards"] == [1.0, 0.0]
     assert output["trajectory_ids"] == ["t0", "t1"]
     assert all(output[key] is None for key in OPTIONAL)
-
-
-@dataclass
-class Sample:
-    """A stand-in for slime's `slime.utils.types.Sample` (slime is not on PyPI, so nothing
-    real can be imported here): the fields the adapter sets, as slime declares them."""
-
-    class Status(enum.Enum):
-        PENDING = "pending"
-        COMPLETED = "completed"
-        TRUNCATED = "truncated"
-        ABORTED = "aborted"
-        FAILED = "failed"
-
-    tokens: list[int] = field(default_factory=list)
-    response_length: int = 0
-    reward: float | None = None
-    loss_mask: list[int] | None = None
-    weight_versions: list[str] = field(default_factory=list)
-    rollout_log_probs: list[float] | None = None
-    status: Status = Status.PENDING
-    session_id: str | None = None
 
 
 def test_slime_sample(rollouts: Rollouts) -> None:
