@@ -1,8 +1,9 @@
 """Trainer frameworks installed as their released packages into their own virtualenvs under
 `.cache/harnesses/` (once; reused after), never into tokenkeep's: they pull torch, Ray and pins
-that tokenkeep must not depend on. Each framework package goes in with `--no-deps` beside the
-few packages its imported modules need (its full dependency set is gigabytes of GPU stack:
-verl's alone took 5 min and 1.9 GB here), pinned to what was tested."""
+that tokenkeep must not depend on. verl, AReaL and NeMo Gym go in with `--no-deps` beside the
+few packages their imported modules need (their full dependency sets are gigabytes of GPU
+stack: verl's alone took 5 min and 1.9 GB here), pinned to what was tested; TRL and verifiers
+install with their own dependencies."""
 
 from __future__ import annotations
 
