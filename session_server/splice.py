@@ -40,6 +40,7 @@ from session_server.conversation import (
     canonical_text,
 )
 from session_server.images import PlaceholderRun, expand, vision_spec, vision_tokens
+from session_server.toolsyntax import LEARNING_TOOLS, LearnedToolParser, ToolSyntax, learn
 
 log = logging.getLogger(__name__)
 
@@ -117,6 +118,13 @@ class ChatModel:
             # whatever the tokenizer calls its EOS (Llama 3: <|eot_id|>, not <|end_of_text|>).
             stop_ids.append(self.close_token_id)
         self.stop_token_ids: list[int] = stop_ids
+        self.learned_calls: ToolSyntax | None = None
+        """The template's tool-call syntax the generic path parses replies with."""
+        if (
+            self.family == GENERIC
+            and parses_probe(self.renderer, GENERIC, tokenizer, "tool call") is False
+        ):
+            self._learn_tool_calls()
         self.vocab_size = len(tokenizer)
         vocab = tokenizer.get_vocab()
         self.think_ids: tuple[int | None, int | None] = (
@@ -140,6 +148,53 @@ class ChatModel:
         # A vision-language model: its processor settings decide each image's placeholders.
         model_path = str(getattr(tokenizer, "name_or_path", "") or "")
         self.vision = vision_tokens(vision_spec(model_path), vocab) if model_path else None
+
+    def _learn_tool_calls(self) -> None:
+        """The generic path reads the template's tool calls in their own syntax, learned from
+        the template (the `<tool_call>` parser does not read them)."""
+        learned = self.tool_syntax
+        if isinstance(learned, str):
+            self.path = replace(
+                self.path,
+                reason=f"{self.path.reason}; TOOL-CALL SYNTAX NOT LEARNED ({learned}): tool "
+                "calls reach the harness as text",
+                syntax_unlearned=learned,
+            )
+            return
+        self.learned_calls = learned
+        # A call turn the template ends with its own terminator (functionary's `<|eom_id|>`):
+        # the model stops there.
+        added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
+        for token_id, token in added.items():
+            text = str(getattr(token, "content", token))
+            if (
+                text
+                and learned.close.rstrip().endswith(text)
+                and token_id not in self.stop_token_ids
+            ):
+                self.stop_token_ids.append(int(token_id))
+        # The generic renderer's parse runs its tool parser on the reply after reasoning.
+        self.renderer._tool_parser = LearnedToolParser(self.tokenizer, learned)
+        self.path = replace(
+            self.path,
+            reason=f"{self.path.reason}; tool calls parsed in the syntax learned from the "
+            f"template: {learned.describe()}",
+        )
+
+    @functools.cached_property
+    def tool_syntax(self) -> ToolSyntax | str:
+        """How the template writes a tool call (learned from its own rendering), or why that
+        cannot be learned."""
+        close = self.close_token_id
+        marker = None if close is None else str(self.tokenizer.convert_ids_to_tokens(close))
+
+        def render(messages: list[dict[str, Any]], generation_prompt: bool) -> str | None:
+            return _template_text(
+                self.tokenizer, messages, True, generation_prompt=generation_prompt,
+                tool_specs=LEARNING_TOOLS,
+            )  # fmt: skip
+
+        return learn(render, marker)
 
     def _takes_images(self, messages: list[Message]) -> bool:
         """Whether `messages` hold images (refused for a text-only model)."""
@@ -335,6 +390,13 @@ class ChatModel:
             closing = [close]  # a truncated turn is closed as context, never as loss
         before = self._apply_template(history, tools, add_generation_prompt=False)
         after = self._apply_template(history + new_messages, tools, add_generation_prompt=True)
+        if completion_ids and before and before[-1] == completion_ids[-1] != close:
+            # The template ends this turn with the terminator sampled (a tool call's
+            # `<|eom_id|>`) and keeps it: the new messages are what follows.
+            if after[: len(before)] == before and _carries_messages(
+                self.tokenizer, after[len(before) :], new_messages
+            ):
+                return closing + after[len(before) :]
         turns_closed = before.count(close)
         if not _closed_at_end(self.tokenizer, before, close):
             turns_closed += 1  # the template closes a turn by opening the next one (GLM)
@@ -653,6 +715,8 @@ class PathChoice:
     """New messages are rendered by the chat template itself (the generic end-of-turn
     splice), not by the renderer: the renderer then only parses replies."""
     renderer: Any = None
+    syntax_unlearned: str | None = None
+    """Why the template's tool-call syntax could not be learned (generic path only)."""
     template_prompt: bool = True
     """A session's first prompt is rendered by the template (the renderer renders some
     conversation differently)."""
@@ -724,6 +788,7 @@ def _template_text(
     tools: bool,
     *,
     generation_prompt: bool = True,
+    tool_specs: list[dict[str, Any]] | None = None,
 ) -> str | None:
     """The template's text, with tool-call arguments as objects (as vLLM's chat endpoint
     passes them) or, where the template concatenates them, as JSON strings."""
@@ -732,7 +797,7 @@ def _template_text(
             return str(
                 tokenizer.apply_chat_template(
                     attempt,
-                    tools=[_PROBE_TOOL] if tools else None,
+                    tools=(tool_specs or [_PROBE_TOOL]) if tools else None,
                     add_generation_prompt=generation_prompt,
                     tokenize=False,
                 )

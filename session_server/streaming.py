@@ -17,7 +17,9 @@ something else:
 - whitespace at the edges of a channel is held until text follows it (parsers strip it; how
   each one does is probed once per model);
 - bytes of a multibyte character split across tokens are held until the character is whole;
-- harmony (gpt-oss) replies are held whole: their channel headers are partly plain text.
+- harmony (gpt-oss) replies are held whole: their channel headers are partly plain text;
+- on the generic path, text that may open a call in the syntax learned from the template
+  (`session_server/toolsyntax.py`) is held from there on.
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ class ReplyStreamer:
         # switch channels inside it: only the final parse knows which text is which, so
         # the reply arrives whole when the choice finishes.
         self._whole = model.family == "gpt-oss"
+        # A tool-call syntax learned from the template: text that may open a call (spelled
+        # in text, as functionary's `<function=`) is held until the final parse decides.
+        self._calls = model.learned_calls
 
     def feed(self, token_ids: list[int]) -> TextDelta:
         if self._whole:
@@ -140,6 +145,8 @@ class ReplyStreamer:
             text = text.lstrip()
         if self._bare_json_calls and text.lstrip().startswith("{"):
             return ""  # may be a whole tool call; the final parse decides
+        if self._calls is not None:
+            text = text[: self._calls.hold_from(text)]
         text = text.rstrip()
         # A trailing `<` may open a marker whose rest is a special token (DeepSeek V4's
         # `<｜DSML｜...`): held until the next token says which.
