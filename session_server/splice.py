@@ -390,13 +390,16 @@ class ChatModel:
             closing = [close]  # a truncated turn is closed as context, never as loss
         before = self._apply_template(history, tools, add_generation_prompt=False)
         after = self._apply_template(history + new_messages, tools, add_generation_prompt=True)
-        if completion_ids and before and before[-1] == completion_ids[-1] != close:
-            # The template ends this turn with the terminator sampled (a tool call's
-            # `<|eom_id|>`) and keeps it: the new messages are what follows.
-            if after[: len(before)] == before and _carries_messages(
-                self.tokenizer, after[len(before) :], new_messages
-            ):
-                return closing + after[len(before) :]
+        # The template ends this turn with the terminator sampled (a tool call's
+        # `<|eom_id|>`) and keeps it: the new messages are what follows.
+        if (
+            completion_ids
+            and before
+            and before[-1] == completion_ids[-1] != close
+            and after[: len(before)] == before
+            and _carries_messages(self.tokenizer, after[len(before) :], new_messages)
+        ):
+            return closing + after[len(before) :]
         turns_closed = before.count(close)
         if not _closed_at_end(self.tokenizer, before, close):
             turns_closed += 1  # the template closes a turn by opening the next one (GLM)
@@ -532,14 +535,17 @@ class ChatModel:
     def tool_call_syntax(self) -> str | None:
         """How this model writes a tool call: `hermes` (`<tool_call>{json}</tool_call>`, Qwen3
         and the generic parser for templates with those tokens), `llama3-json` (a bare
-        `{"name", "parameters"}` object), or None where tokenkeep does not know it."""
+        `{"name", "parameters"}` object), `learned` (the syntax learned from the template:
+        `session_server/toolsyntax.py`), or None where none is known."""
         if self.family == "qwen3" or (
-            self.family == GENERIC and _has_tokens(self.tokenizer, "<tool_call>", "</tool_call>")
+            self.family == GENERIC
+            and self.learned_calls is None
+            and _has_tokens(self.tokenizer, "<tool_call>", "</tool_call>")
         ):
             return "hermes"
         if self.family == "llama-3":
             return "llama3-json"
-        return None
+        return "learned" if isinstance(self.tool_syntax, ToolSyntax) else None
 
     def tool_choice_constraint(
         self, tools: list[Tool], choice: str | dict[str, Any] | None
@@ -609,12 +615,35 @@ class ChatModel:
                 for t in chosen
             ]
             return {"json": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+        learned = self.tool_syntax
+        if syntax == "learned" and isinstance(learned, ToolSyntax):
+            tag = learned.constraint([(t.name, _schema(t)) for t in chosen], self._literal)
+            if tag is not None:
+                return {"structural_tag": json.dumps({"type": "structural_tag", "format": tag})}
         raise ConversationError(
             f"tool_choice {json.dumps(choice)} cannot be enforced: the served model's tool-call "
             f"syntax ({self.family} template) is not one tokenkeep can constrain; use "
             '"auto" or a structured_outputs constraint',
             param="tool_choice",
         )
+
+    def _literal(self, text: str) -> list[dict[str, Any]]:
+        """Text as structural-tag elements: the model's special tokens as tokens (spelled in
+        sub-words they would be text to the parser), the rest as strings."""
+        added = {
+            str(getattr(t, "content", t)): int(i)
+            for i, t in (getattr(self.tokenizer, "added_tokens_decoder", {}) or {}).items()
+        }
+        names = sorted((n for n in added if n and n in text), key=len, reverse=True)
+        if not names:
+            return [{"type": "const_string", "value": text}] if text else []
+        out: list[dict[str, Any]] = []
+        for piece in re.split("(" + "|".join(re.escape(n) for n in names) + ")", text):
+            if piece in added:
+                out.append({"type": "token", "token": added[piece]})
+            elif piece:
+                out.append({"type": "const_string", "value": piece})
+        return out
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)

@@ -111,6 +111,8 @@ class ToolSyntax:
     """After the last call."""
     params: ParamStyle | None = None
     """None: the arguments are one JSON object."""
+    lead: str = ""
+    """How a reply that is only a call starts, up to the name."""
 
     def describe(self) -> str:
         style = "per-parameter elements" if self.params else "JSON arguments"
@@ -229,26 +231,51 @@ class ToolSyntax:
     # --- constraining -------------------------------------------------------------------
 
     def constraint(
-        self, tools: list[tuple[str, dict[str, Any]]], encode_literal: Callable[[str], Any]
+        self, tools: list[tuple[str, dict[str, Any]]], literal: Callable[[str], list[Any]]
     ) -> dict[str, Any] | None:
-        """The structural-tag format for one call of any of `tools` (name, JSON schema), in
-        this syntax; None for per-parameter syntaxes and syntaxes with call ids."""
-        literals = (self.opener, self.name_sep, self.close)
-        if self.params is not None or any(_ID in piece for piece in literals):
+        """The structural-tag format of one call of any of `tools` (name, JSON schema) in
+        this syntax, written as the template writes a reply that is only that call; None
+        where the syntax carries a call id (the model invents it). `literal` turns text
+        into format elements (special tokens as tokens)."""
+        if any(_ID in piece for piece in (self.lead, self.name_sep, self.close)):
             return None
-        opener = self.opener if self.opener.strip() else (self.start_opener or "")
-        options = [
-            {
-                "type": "sequence",
-                "elements": [
-                    *encode_literal(opener + name + self.name_sep),
-                    {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 16},
-                    *encode_literal(self.close),
-                ],
-            }
-            for name, schema in tools
-        ]
+        options = []
+        for name, schema in tools:
+            if self.params is None:
+                arguments = [
+                    {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 16}
+                ]
+            else:
+                arguments = self._param_elements(schema, literal)
+            elements = [
+                *literal(self.lead + name + self.name_sep),
+                *arguments,
+                *literal(self.close),
+            ]
+            options.append({"type": "sequence", "elements": elements})
         return options[0] if len(options) == 1 else {"type": "or", "elements": options}
+
+    def _param_elements(
+        self, schema: dict[str, Any], literal: Callable[[str], list[Any]]
+    ) -> list[dict[str, Any]]:
+        """The required parameters, one element each, in the schema's order."""
+        style = self.params
+        assert style is not None
+        properties = schema.get("properties") or {}
+        out: list[dict[str, Any]] = []
+        for key in schema.get("required") or []:
+            prop = properties.get(key) or {}
+            text = prop.get("type") == "string"
+            head = style.p_next + key + style.glue_head
+            if style.flags is not None:
+                head += style.flags[0 if text else 1] + style.glue_tail
+            value: dict[str, Any] = (
+                {"type": "regex", "pattern": "[^<]*"}
+                if text
+                else {"type": "json_schema", "json_schema": prop or {}}
+            )
+            out += [*literal(head), value, *literal(style.p_close.replace(_KEY, key))]
+        return out
 
 
 def _first_group(match: re.Match[str], start: int = 0) -> str | None:
@@ -340,7 +367,7 @@ def learn(render: Render, end_marker: str | None) -> ToolSyntax | str:
         if isinstance(learned, str):
             return learned
         name_sep, params, close = learned
-    syntax = ToolSyntax(opener, start_opener, name_sep, None, close, params)
+    syntax = ToolSyntax(opener, start_opener, name_sep, None, close, params, one[:first])
     two = bodies.body([_call("get_weather", paris, _ID1), _call("get_time", {"zone": "UTC"}, _ID2)])
     if two is not None and "get_time" in two:
         # The text between the first call's arguments and the second call's name.

@@ -45,6 +45,11 @@ FAMILIES: dict[str, tuple[Callable[[], Path], str, bool]] = {
     # R1's renderer writes `<think>\n` after tool results, the official template does not.
     "deepseek-r1": (lambda: offline_counter_dir("deepseek-r1"), "deepseek-r1", True),
     "minimax-m2": (lambda: offline_counter_dir("minimax"), "minimax-m2", False),
+    # No renderer reads these: the generic path parses calls in the syntax it learned from
+    # the template (JSON after `<｜tool▁sep｜>`, JSON in a ```json fence, one element per
+    # parameter: tests/session/test_toolsyntax.py).
+    "deepseek-v3.1": (lambda: offline_counter_dir("deepseek-v3.1"), "generic", True),
+    "deepseek-r1-0528": (lambda: offline_counter_dir("deepseek-r1-0528-qwen3-8b"), "generic", True),
 }
 TOOLS = [{"type": "function", "function": TOOL}]
 TOOL_CALL = next(s for s in SCENARIOS if s.name == "tool_call")
@@ -61,7 +66,10 @@ def test_auto_picks_the_family_renderer_and_says_why(family: tuple[str, ChatMode
     _, renderer, template_bridge = FAMILIES[name]
     assert model.family == renderer, model.path.reason
     assert model.template_bridge is template_bridge, model.path.reason
-    assert f"renderer {renderer!r} parses the template's tool call" in model.path.reason
+    if renderer == "generic":
+        assert "tool calls parsed in the syntax learned from the template" in model.path.reason
+    else:
+        assert f"renderer {renderer!r} parses the template's tool call" in model.path.reason
 
 
 def test_three_turn_tool_loop_on_every_api(family: tuple[str, ChatModel]) -> None:
@@ -148,8 +156,8 @@ def test_openai_sdk_tool_loop_suffix_is_the_templates_own(family: tuple[str, Cha
 # tests/suffix_reference.py's end-of-turn count does not apply: GLM closes a turn by opening
 # the next message (`<|observation|>`, `<|user|>`); harmony re-renders `<|return|>` as
 # `<|end|>`; DeepSeek R1's template concatenates tool-call arguments as text, where the
-# reference passes them as objects.
-TAIL_REFERENCE = {"glm-5", "gpt-oss", "deepseek-r1"}
+# reference passes them as objects; the generic path's DeepSeek templates likewise.
+TAIL_REFERENCE = {"glm-5", "gpt-oss", "deepseek-r1", "generic"}
 
 
 def assert_template_tail(
