@@ -76,6 +76,9 @@ class ReplyEdges:
     strips_reasoning: bool
     text_think: bool
     """No `<think>` token, yet the parser reads a leading `<think>...</think>` from text."""
+    lead_to_reasoning: bool = False
+    """Whitespace sampled before an opening `<think>` token is the reasoning's (GLM 4.6:
+    `\n<think>...`), not the content's."""
 
 
 @dataclass(slots=True)
@@ -476,10 +479,18 @@ class ChatModel:
         close = [self.close_token_id] if self.close_token_id is not None else []
         content = self._parse_ids([*self.encode(f"\n\n{probe}"), *close], [], [])
         reasoning = self._parse_ids([*think, *self.encode("x"), *close], [], []).reasoning_content
+        lead: tuple[Any, Any] | None = None
+        if atomic_think:
+            block = [vocab["<think>"], *self.encode(probe), vocab["</think>"], *self.encode("x")]
+            lead = (
+                self._parse_ids([*block, *close], [], []).reasoning_content,
+                self._parse_ids([*self.encode("\n"), *block, *close], [], []).reasoning_content,
+            )
         return ReplyEdges(
             strips_content=content.content == probe,
             strips_reasoning=reasoning == probe,
             text_think=not atomic_think and bool(reasoning),
+            lead_to_reasoning=lead is not None and lead[1] == f"\n{lead[0]}",
         )
 
     def _parse_ids(

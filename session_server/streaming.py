@@ -81,6 +81,10 @@ class ReplyStreamer:
             if token == self._think_start and self._channel == "content" and not self._text_think:
                 self._flush()
                 self._channel = "reasoning"
+                if self._edges.lead_to_reasoning and not self._text["content"].strip():
+                    # The parser reads whitespace before `<think>` as the reasoning's.
+                    self._text["reasoning"] += self._text["content"]
+                    self._text["content"] = ""
             elif token == self._think_end and self._channel == "reasoning" and not self._text_think:
                 self._flush()
                 self._channel = "content"
@@ -159,6 +163,9 @@ class ReplyStreamer:
         if self._channel != "reasoning" and text:
             # Closed: nothing more can follow, and the held edge must go out now, before
             # any content (front-ends open a new reasoning block for late reasoning text).
+            # Whitespace alone is no reasoning to a parser.
+            if not text.strip():
+                return ""
             return text.rstrip() if self._edges.strips_reasoning else text
         if self._text_think and self._channel == "reasoning":
             for size in range(len(_CLOSE) - 1, 0, -1):
