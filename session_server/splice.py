@@ -123,11 +123,15 @@ class ChatModel:
         self.stop_token_ids: list[int] = stop_ids
         self.learned_calls: ToolSyntax | None = None
         """The template's tool-call syntax the generic path parses replies with."""
-        if (
-            self.family == GENERIC
-            and parses_probe(self.renderer, GENERIC, tokenizer, "tool call") is False
-        ):
+        reads_calls = parses_probe(self.renderer, self.family, tokenizer, "tool call")
+        if self.family == GENERIC and reads_calls is False:
             self._learn_tool_calls()
+        elif reads_calls is False:
+            self.path = replace(
+                self.path,
+                reason=f"{self.path.reason}; renderer {self.family!r} does not read this "
+                "template's tool calls (they reach the harness as text): use --renderer auto",
+            )
         self.vocab_size = len(tokenizer)
         vocab = tokenizer.get_vocab()
         self.think_ids: tuple[int | None, int | None] = (
@@ -551,6 +555,7 @@ class ChatModel:
         if self.family == "qwen3" or (
             self.family == GENERIC
             and self.learned_calls is None
+            and not self.path.syntax_unlearned
             and _has_tokens(self.tokenizer, "<tool_call>", "</tool_call>")
         ):
             return "hermes"
