@@ -308,3 +308,46 @@ def test_templates_without_a_family_fall_back_to_generic_and_say_why(tmp_path: P
         path = choose_path(load_tokenizer(str(folder)))
         assert path.family == GENERIC and path.template_bridge, name
         assert reason in path.reason, path
+
+
+def test_gpt_oss_responses_reasoning_items_are_the_analysis_channel() -> None:
+    """Responses API on gpt-oss: the analysis channel arrives as a reasoning item (its text
+    only, no harmony markers); the harness sends the item back, and the next prompt keeps the
+    sampled analysis tokens in place before the tool result."""
+    model = load_model(str(gptoss_dir()))
+    loop = Loop(model)
+    scenario = next(s for s in SCENARIOS if s.name == "reasoning_then_tool_call")
+    first, why = loop.scripter.completion(scenario)
+    assert first is not None, why
+    assert "<|channel|>analysis<|message|>" in model.decode(first.token_ids)
+    loop.engine.script(first, loop.scripter.plain("Sunny, 21 degrees."))
+    tools = [{"type": "function", **TOOL}]
+
+    async def run() -> list[Any]:
+        client = openai.AsyncOpenAI(
+            api_key="x", base_url="http://t/sessions/oss-responses/v1", max_retries=0,
+            http_client=loop.http(),
+        )  # fmt: skip
+        question = [{"role": "user", "content": check.FIRST_USER}]
+        reply = await client.responses.create(model="m", input=question, tools=tools)
+        items = [item.model_dump(exclude_none=True) for item in reply.output]
+        call = next(i for i in items if i["type"] == "function_call")
+        follow = {"type": "function_call_output", "call_id": call["call_id"]}
+        await client.responses.create(
+            model="m", tools=tools,
+            input=[*question, *items, {**follow, "output": check.TOOL_RESULT}],
+        )  # fmt: skip
+        return items
+
+    items = asyncio.run(run())
+    reasoning = [i for i in items if i["type"] == "reasoning"]
+    assert len(reasoning) == 1
+    text = "".join(part["text"] for part in reasoning[0]["content"])
+    assert text == scenario.reply["reasoning_content"]
+    assert [
+        (i["name"], json.loads(i["arguments"])) for i in items if i["type"] == "function_call"
+    ] == [("get_weather", {"city": "Paris"})]
+    first_prompt, second_prompt = loop.engine.prompts
+    stored = first_prompt + first.token_ids
+    assert second_prompt[: len(stored)] == stored
+    assert f"<|channel|>analysis<|message|>{text}" in model.decode(second_prompt)
