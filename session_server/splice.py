@@ -633,7 +633,12 @@ class ChatModel:
             return {"json": calls[0] if len(calls) == 1 else {"anyOf": calls}}
         learned = self.tool_syntax
         if syntax == "learned" and isinstance(learned, ToolSyntax):
-            tag = learned.constraint([(t.name, _schema(t)) for t in chosen], self._literal)
+            close = self.think_ids[1]
+            tag = learned.constraint(
+                [(t.name, _schema(t)) for t in chosen],
+                self._literal,
+                None if close is None else str(self.tokenizer.convert_ids_to_tokens(close)),
+            )
             if tag is not None:
                 return {"structural_tag": json.dumps({"type": "structural_tag", "format": tag})}
         raise ConversationError(

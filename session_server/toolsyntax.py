@@ -231,13 +231,20 @@ class ToolSyntax:
     # --- constraining -------------------------------------------------------------------
 
     def constraint(
-        self, tools: list[tuple[str, dict[str, Any]]], literal: Callable[[str], list[Any]]
+        self,
+        tools: list[tuple[str, dict[str, Any]]],
+        literal: Callable[[str], list[Any]],
+        reasoning_close: str | None = None,
     ) -> dict[str, Any] | None:
         """The structural-tag format of one call of any of `tools` (name, JSON schema) in
-        this syntax, written as the template writes a reply that is only that call; None
-        where the syntax carries a call id (the model invents it). `literal` turns text
-        into format elements (special tokens as tokens)."""
-        if any(_ID in piece for piece in (self.lead, self.name_sep, self.close)):
+        this syntax, written as the template writes a reply that is only that call (from
+        after its reasoning block: vLLM applies the constraint once reasoning has ended);
+        None where the syntax carries a call id (the model invents it). `literal` turns
+        text into format elements (special tokens as tokens)."""
+        lead = self.lead
+        if reasoning_close and reasoning_close in lead:
+            lead = lead.rsplit(reasoning_close, 1)[1]
+        if any(_ID in piece for piece in (lead, self.name_sep, self.close)):
             return None
         options = []
         for name, schema in tools:
@@ -248,7 +255,7 @@ class ToolSyntax:
             else:
                 arguments = self._param_elements(schema, literal)
             elements = [
-                *literal(self.lead + name + self.name_sep),
+                *literal(lead + name + self.name_sep),
                 *arguments,
                 *literal(self.close),
             ]
