@@ -122,16 +122,16 @@ class ChatModel:
             stop_ids.append(self.close_token_id)
         self.stop_token_ids: list[int] = stop_ids
         self.learned_calls: ToolSyntax | None = None
-        """The template's tool-call syntax the generic path parses replies with."""
+        """The template's tool-call syntax replies are parsed with (generic path, or a
+        renderer named by hand that does not read the template's calls)."""
+        self._calls_parser: LearnedToolParser | None = None
         reads_calls = parses_probe(self.renderer, self.family, tokenizer, "tool call")
         if self.family == GENERIC and reads_calls is False:
             self._learn_tool_calls()
         elif reads_calls is False:
-            self.path = replace(
-                self.path,
-                reason=f"{self.path.reason}; renderer {self.family!r} does not read this "
-                "template's tool calls (they reach the harness as text): use --renderer auto",
-            )
+            # A renderer named by hand that does not read this template's calls: they are
+            # parsed in the syntax learned from the template, the renderer parses the rest.
+            self._learn_tool_calls(over_renderer=True)
         self.vocab_size = len(tokenizer)
         vocab = tokenizer.get_vocab()
         self.think_ids: tuple[int | None, int | None] = (
@@ -156,9 +156,9 @@ class ChatModel:
         model_path = str(getattr(tokenizer, "name_or_path", "") or "")
         self.vision = vision_tokens(vision_spec(model_path), vocab) if model_path else None
 
-    def _learn_tool_calls(self) -> None:
-        """The generic path reads the template's tool calls in their own syntax, learned from
-        the template (the `<tool_call>` parser does not read them)."""
+    def _learn_tool_calls(self, *, over_renderer: bool = False) -> None:
+        """The template's tool calls are read in their own syntax, learned from the template
+        (the generic `<tool_call>` parser, or the renderer named, does not read them)."""
         learned = self.tool_syntax
         if isinstance(learned, str):
             self.path = replace(
@@ -169,6 +169,16 @@ class ChatModel:
             )
             return
         self.learned_calls = learned
+        parser = LearnedToolParser(self.tokenizer, learned)
+        if over_renderer:
+            self._calls_parser = parser
+            self.path = replace(
+                self.path,
+                reason=f"{self.path.reason}; renderer {self.family!r} does not read this "
+                "template's tool calls: they are parsed in the syntax learned from the "
+                f"template: {learned.describe()}",
+            )
+            return
         # A call turn the template ends with its own terminator (functionary's `<|eom_id|>`):
         # the model stops there.
         added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
@@ -181,7 +191,7 @@ class ChatModel:
             ):
                 self.stop_token_ids.append(int(token_id))
         # The generic renderer's parse runs its tool parser on the reply after reasoning.
-        self.renderer._tool_parser = LearnedToolParser(self.tokenizer, learned)
+        self.renderer._tool_parser = parser
         self.path = replace(
             self.path,
             reason=f"{self.path.reason}; tool calls parsed in the syntax learned from the "
@@ -509,6 +519,15 @@ class ChatModel:
             # The default renderer finds a prompt-opened `<think>` only after a ChatML
             # header; other templates (GLM) open it too: parse as if it were sampled.
             ids = [self.think_ids[0], *ids]
+        if self._calls_parser is not None:
+            end = len(ids)
+            while end and ids[end - 1] in self.stop_token_ids:
+                end -= 1
+            content_ids, calls = self._calls_parser.extract(ids[:end])
+            ids = content_ids + ids[end:]
+            parsed = parse_reply(self.renderer, self.tokenizer, self.family, ids, prompt_ids, None)
+            parsed.tool_calls = calls
+            return parsed
         return parse_reply(
             self.renderer, self.tokenizer, self.family, ids, prompt_ids, to_renderer_tools(tools)
         )

@@ -16,6 +16,7 @@ A learned syntax is only used once it parses the template's own probe replies ba
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable
@@ -59,6 +60,7 @@ def _call(name: str, arguments: dict[str, Any], call_id: str) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
+@functools.lru_cache(maxsize=256)
 def _lit(text: str) -> str:
     """A literal as a regex: whitespace runs match any whitespace; probe ids and keys are
     wildcards."""
