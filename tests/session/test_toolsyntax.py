@@ -52,6 +52,17 @@ LEARNED: dict[str, tuple[Callable[[], Path], str, str]] = {
 TOOL_CALL = next(s for s in SCENARIOS if s.name == "tool_call")
 
 
+def _calls(city: str) -> list[dict[str, Any]]:
+    arguments = {"city": city}
+    return [
+        {
+            "id": "a1B2c3D4e",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": arguments},
+        }
+    ]
+
+
 def _llama_with(template: str) -> Path:
     """The Llama 3.2 tokenizer with another llama.cpp template of the family."""
     from tests.real_tokenizers import CACHE, llama_cpp_templates
@@ -100,7 +111,7 @@ def test_content_before_a_text_marker_call_streams_without_the_call() -> None:
     character, so the streamed content is the parsed content, token by token."""
     model = load_model(str(_llama_with("meetkai-functionary-medium-v3.1.jinja")))
     scripter = Scripter(model)
-    reply = {"role": "assistant", "content": "Let me check.", "tool_calls": check._call("Paris")}
+    reply = {"role": "assistant", "content": "Let me check.", "tool_calls": _calls("Paris")}
     body, why = scripter.assistant_text(reply, True)
     assert body is not None and body.startswith("Let me check.<function="), why
     ids = scripter.spell(body)
@@ -131,7 +142,7 @@ def test_tool_choice_forces_the_templates_own_call(name: str) -> None:
         tag = json.loads(constraint["structural_tag"])["format"]
         forced = _fill(model, tag, {"city": "Zürich"})
         body, _ = Scripter(model).assistant_text(
-            {"role": "assistant", "content": "", "tool_calls": check._call("Zürich")}, True
+            {"role": "assistant", "content": "", "tool_calls": _calls("Zürich")}, True
         )
         # (from after the reasoning block, where vLLM applies the constraint)
         assert body is not None
