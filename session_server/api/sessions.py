@@ -205,6 +205,10 @@ async def list_sessions(
                 "metadata": meta.metadata,
                 "group": meta.group,
                 "finish": _finish_json(finish),
+                "first_weight_version": finish.first_weight_version,
+                "policy_lag_exceeded": request.app.state.turns.lag_exceeded(
+                    finish.first_weight_version
+                ),
             }
             for sid, meta, finish in found
         ]
@@ -245,7 +249,8 @@ async def export_batch(body: ExportBatch, request: Request) -> StreamingResponse
     """Finished sessions as JSONL, one line per segment (`session_server.export.rows`).
     Every session is checked before the first line; a session deleted while the export
     streams ends it with an `{"error": ...}` line."""
-    store = request.app.state.turns.store
+    service = request.app.state.turns
+    store = service.store
     staleness = _staleness(body.min_weight_version, body.stale)
     try:
         if body.group is not None:
@@ -280,6 +285,7 @@ async def export_batch(body: ExportBatch, request: Request) -> StreamingResponse
     async def lines() -> AsyncIterator[bytes]:
         try:
             async for row in batch.rows(store, selected, staleness, body.branches):
+                row["policy_lag_exceeded"] = service.lag_exceeded(row["first_weight_version"])
                 yield json.dumps(row, separators=(",", ":")).encode() + b"\n"
         except SessionNotFound as exc:
             error = {"message": f"session {exc.args[0]!r} was deleted during the export"}
@@ -301,7 +307,7 @@ async def finish_session(
         status=body.status,
     )
     try:
-        await request.app.state.turns.store.finish_session(session_id, finish)
+        await request.app.state.turns.finish(session_id, finish)
     except AlreadyFinished as exc:
         raise APIError(409, f"session {session_id!r} is already finished") from exc
     return {"id": session_id, "finish": _finish_json(finish)}
@@ -318,9 +324,11 @@ class AbortSession(BaseModel):
 async def abort_session(
     session_id: str, request: Request, body: AbortSession | None = None
 ) -> dict[str, Any]:
-    """Cut the session's generations in flight on this server: each stores its cut turn
-    (finish_reason "abort") and its request is answered with an `aborted` error. Answers
-    once they have (at most ~10 s)."""
+    """Cut the session's generations in flight, on this server and (within ~0.25 s, the
+    abort is recorded in the shared store) on every other server sharing its Redis: each
+    stores its cut turn (finish_reason "abort") and its request is answered with an
+    `aborted` error. Answers once those on this server have (at most ~10 s); `aborted` counts
+    them."""
     body = body or AbortSession()
     await _existing(request, session_id)
     store = request.app.state.turns.store
@@ -331,7 +339,7 @@ async def abort_session(
     if body.finish:
         finish = Finish(finished_at=time.time(), metadata={"status": "aborted"}, status="aborted")
         try:
-            await store.finish_session(session_id, finish)
+            await request.app.state.turns.finish(session_id, finish)
         except AlreadyFinished as exc:
             raise APIError(409, f"session {session_id!r} is already finished") from exc
     return {"id": session_id, "aborted": aborted, "finish": _finish_json(finish)}

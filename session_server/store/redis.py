@@ -14,7 +14,9 @@ A session with images also has `{prefix}:{<sid>}:images` (hash: SHA-256 hex -> i
 written by `images.lua`, which gives it the meta key's remaining time to live on each write.
 A finished session also has `fin` (packed Finish) in its meta hash and is a member of the
 sorted set `{prefix}:finished` (score: finish time), the one key shared by all sessions: it is
-only ever used by single-key commands, so it may live in any Cluster slot.
+only ever used by single-key commands, so it may live in any Cluster slot. Aborts are the
+sorted set `{prefix}:aborts` (session id -> abort time, the last ABORTS_KEPT_S): every server
+generating reads it with one command per poll, whatever the number of sessions.
 Lookups and appends are Lua scripts (EVALSHA), so each is one round trip and atomic.
 """
 
@@ -52,6 +54,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from session_server.store.base import (
+    ABORTS_KEPT_S,
     AlreadyFinished,
     Finish,
     IdempotencyClaim,
@@ -217,7 +220,9 @@ class RedisStore:
         self._claim = self._redis.register_script(_script("claim.lua"))
         self._release = self._redis.register_script(_script("release.lua"))
         self._images = self._redis.register_script(_script("images.lua"))
+        self._abort = self._redis.register_script(_script("abort.lua"))
         self._finished_key = f"{key_prefix}:finished"
+        self._aborts_key = f"{key_prefix}:aborts"
 
     async def _call(self, operation: Callable[[], Awaitable[T]]) -> T:
         """Run `operation`, retrying transient faults with backoff within `retry_s`."""
@@ -474,6 +479,19 @@ class RedisStore:
     async def release_idempotency(self, session_id: str, key: str, owner: str) -> None:
         index_key = self.session_keys(session_id)[2]
         await self._call(lambda: self._write(self._release, [index_key], [key, owner]))
+
+    async def record_abort(self, session_id: str, at: float) -> None:
+        keys, args = [self._aborts_key], [session_id, repr(at), repr(time.time() - ABORTS_KEPT_S)]
+        # Retried safely: the same abort twice is the same record.
+        await self._call(lambda: self._write(self._abort, keys, args))
+
+    async def aborts_since(self, since: float) -> dict[str, float]:
+        found = await self._call(
+            lambda: self._redis.zrangebyscore(
+                self._aborts_key, repr(since), "+inf", withscores=True
+            )
+        )
+        return {member.decode(): float(score) for member, score in found}
 
     async def all_turns(self, session_id: str) -> list[TurnRecord]:
         turns_key = self.session_keys(session_id)[1]
