@@ -178,7 +178,8 @@ async def list_sessions(
     group: str | None = None,
 ) -> dict[str, Any]:
     """Finished sessions (the only ones listed: a listing of running ones would need an
-    index written on every turn), or with `group`, that group's state and every member."""
+    index written on every turn), each with `first_weight_version` and
+    `policy_lag_exceeded`, or with `group`, that group's state and every member."""
     if group is not None:
         return await _group_state(request, group)
     if not finished:

@@ -206,6 +206,10 @@ class RedisStore:
         wait_timeout_ms: int = 1000,
     ) -> None:
         self._redis = connect(url, timeout_s=timeout_s)
+        # The recorded aborts are polled on connections of their own: the poll goes on while
+        # a Cluster fails over, and redis-py's reconnection after a fault there would cut the
+        # connections of concurrent turns (RuntimeError/AttributeError 500s, seen).
+        self._poll = connect(url, timeout_s=timeout_s)
         self._prefix = key_prefix
         self._retry_s = retry_s
         self._wait_replicas = wait_replicas
@@ -487,9 +491,7 @@ class RedisStore:
 
     async def aborts_since(self, since: float) -> dict[str, float]:
         found = await self._call(
-            lambda: self._redis.zrangebyscore(
-                self._aborts_key, repr(since), "+inf", withscores=True
-            )
+            lambda: self._poll.zrangebyscore(self._aborts_key, repr(since), "+inf", withscores=True)
         )
         return {member.decode(): float(score) for member, score in found}
 
@@ -596,6 +598,7 @@ class RedisStore:
 
     async def close(self) -> None:
         await self._redis.aclose()
+        await self._poll.aclose()
 
 
 def _counters(fields: dict[bytes, bytes]) -> SessionCounters:
