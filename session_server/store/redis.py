@@ -112,6 +112,16 @@ _TRANSIENT = (
 )
 
 
+def _cut_under_us(exc: Exception) -> bool:
+    """A command whose connection redis-py closed while it was being sent: during a Cluster
+    failover, another command's fault makes it re-read the slot map and drop connections,
+    in use or not (redis-py 8.1: seen on turns' EVALSHA+WAIT and HGET, 500s before). Nothing
+    reached Redis on that connection, or a resend is safe (see RedisStore): transient."""
+    return (isinstance(exc, AttributeError) and "writelines" in str(exc)) or (
+        isinstance(exc, RuntimeError) and "handler is closed" in str(exc)
+    )
+
+
 def _script(name: str) -> str:
     return files("session_server.store").joinpath(name).read_text()
 
@@ -235,7 +245,9 @@ class RedisStore:
         while True:
             try:
                 result = await operation()
-            except _TRANSIENT as exc:
+            except Exception as exc:
+                if not isinstance(exc, _TRANSIENT) and not _cut_under_us(exc):
+                    raise
                 self._went_down(exc)
                 if time.monotonic() + delay > deadline:
                     raise StoreUnavailable(f"session store unavailable: {_reason(exc)}") from None
