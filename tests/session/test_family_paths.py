@@ -351,3 +351,94 @@ def test_gpt_oss_responses_reasoning_items_are_the_analysis_channel() -> None:
     stored = first_prompt + first.token_ids
     assert second_prompt[: len(stored)] == stored
     assert f"<|channel|>analysis<|message|>{text}" in model.decode(second_prompt)
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+def test_gpt_oss_streams_each_channel_as_it_is_sampled(api: str) -> None:
+    """Harmony through each API's SDK, streamed with the engine double sending one token per
+    chunk: the analysis channel arrives as reasoning deltas and the final channel as content
+    deltas while they are sampled (several of each before the reply finishes), and what the
+    client assembles is the non-streamed reply of the same tokens."""
+    model = load_model(str(gptoss_dir()))
+    loop = Loop(model)
+    scenario = next(s for s in SCENARIOS if s.name == "reasoning")
+    first, why = loop.scripter.completion(scenario)
+    assert first is not None, why
+    loop.engine.script(first, first)
+    question = [{"role": "user", "content": check.FIRST_USER}]
+
+    def openai_client(sid: str) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(
+            api_key="x", base_url=f"http://t/sessions/{sid}/v1", max_retries=0,
+            http_client=loop.http(),
+        )  # fmt: skip
+
+    def anthropic_client(sid: str) -> anthropic.AsyncAnthropic:
+        return anthropic.AsyncAnthropic(
+            api_key="x", base_url=f"http://t/sessions/{sid}", max_retries=0,
+            http_client=loop.http(),
+        )  # fmt: skip
+
+    async def chat() -> tuple[dict[str, str], dict[str, list[str]]]:
+        client = openai_client("plain")
+        plain = (await client.chat.completions.create(model="m", messages=question)).choices[0]
+        client = openai_client("streamed")
+        deltas: dict[str, list[str]] = {"content": [], "reasoning": []}
+        async for chunk in await client.chat.completions.create(
+            model="m", messages=question, stream=True
+        ):
+            if not chunk.choices or chunk.choices[0].finish_reason is not None:
+                continue  # the finishing chunk (may carry what the final parse held back)
+            delta = chunk.choices[0].delta.model_dump()
+            for key, field in (("content", "content"), ("reasoning", "reasoning_content")):
+                if delta.get(field):
+                    deltas[key].append(delta[field])
+        message = plain.message.model_dump()
+        return {"content": message["content"], "reasoning": message["reasoning_content"]}, deltas
+
+    async def responses() -> tuple[dict[str, str], dict[str, list[str]]]:
+        plain = await openai_client("plain").responses.create(model="m", input=question)
+        client = openai_client("streamed")
+        texts = {"message": "content", "reasoning": "reasoning"}
+        expected = {
+            texts[item.type]: "".join(p.text for p in item.content or []) for item in plain.output
+        }
+        deltas: dict[str, list[str]] = {"content": [], "reasoning": []}
+        async for event in await client.responses.create(model="m", input=question, stream=True):
+            if event.type == "response.output_text.delta":
+                deltas["content"].append(event.delta)
+            elif event.type == "response.reasoning_text.delta":
+                deltas["reasoning"].append(event.delta)
+        return expected, deltas
+
+    async def messages() -> tuple[dict[str, str], dict[str, list[str]]]:
+        client = anthropic_client("plain")
+        plain = await client.messages.create(model="m", max_tokens=256, messages=question)
+        client = anthropic_client("streamed")
+        expected = {
+            "content": "".join(b.text for b in plain.content if b.type == "text"),
+            "reasoning": "".join(b.thinking for b in plain.content if b.type == "thinking"),
+        }
+        deltas: dict[str, list[str]] = {"content": [], "reasoning": []}
+        async with client.messages.stream(model="m", max_tokens=256, messages=question) as stream:
+            async for event in stream:
+                if event.type == "content_block_delta" and event.delta.type == "text_delta":
+                    deltas["content"].append(event.delta.text)
+                elif event.type == "content_block_delta" and event.delta.type == "thinking_delta":
+                    deltas["reasoning"].append(event.delta.thinking)
+        return expected, deltas
+
+    expected, deltas = asyncio.run(
+        {"chat": chat, "responses": responses, "messages": messages}[api]()
+    )
+    assert expected == {
+        "content": scenario.reply["content"],
+        "reasoning": scenario.reply["reasoning_content"],
+    }
+    if api == "chat":  # the finishing chunk was left out: its text is the held-back tail
+        assert len(deltas["content"]) > 1 and len(deltas["reasoning"]) > 1, deltas
+        assert expected["content"].startswith("".join(deltas["content"]))
+        assert expected["reasoning"].startswith("".join(deltas["reasoning"]))
+    else:
+        assert len(deltas["content"]) > 2 and len(deltas["reasoning"]) > 2, deltas
+        assert {key: "".join(parts) for key, parts in deltas.items()} == expected
