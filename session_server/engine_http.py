@@ -19,6 +19,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import AsyncIterator
+from typing import cast
 
 import httptools
 import httpx
@@ -39,6 +40,7 @@ class _Connection(asyncio.Protocol):
         self.status = 0
         self.headers: list[tuple[bytes, bytes]] = []
         self.head_done = False
+        self.keep_alive = False
         self.complete = False
         self.chunks: deque[bytes] = deque()
         self.error: Exception | None = None
@@ -46,8 +48,7 @@ class _Connection(asyncio.Protocol):
 
     # asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -74,6 +75,7 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.status = self._parser.get_status_code()
+        self.keep_alive = self._parser.should_keep_alive()  # not answered once complete
         self.head_done = True
 
     def on_body(self, body: bytes) -> None:
@@ -107,12 +109,7 @@ class _Connection(asyncio.Protocol):
         self.transport.write(data)
 
     def reusable(self) -> bool:
-        return (
-            not self.closed
-            and self.complete
-            and self.error is None
-            and self._parser.should_keep_alive()
-        )
+        return not self.closed and self.complete and self.error is None and self.keep_alive
 
     def close(self) -> None:
         self.closed = True
