@@ -91,6 +91,10 @@ class Server:
     proc: subprocess.Popen[bytes]
     url: str
     log: Path
+    chat_path: str = "/sessions/{id}/v1/chat/completions"
+
+    def chat(self, session_id: str) -> str:
+        return self.url + self.chat_path.format(id=session_id)
 
     @property
     def pid(self) -> int:
@@ -202,7 +206,7 @@ def new_session(name: str, history: int, texts: Texts) -> Session:
 
 
 def chat_url(server: Server, session: Session) -> str:
-    return f"{server.url}/sessions/{session.id}/v1/chat/completions"
+    return server.chat(session.id)
 
 
 def turn(client: httpx.Client, server: Server, session: Session, texts: Texts) -> dict[str, Any]:
