@@ -106,6 +106,9 @@ class _Connection(asyncio.Protocol):
     def send(self, data: bytes) -> None:
         self._reset()
         assert self.transport is not None
+        if self.closed or self.transport.is_closing():
+            self._fail(httpx.RemoteProtocolError("the engine connection is closed"))
+            return
         self.transport.write(data)
 
     def reusable(self) -> bool:
