@@ -6,6 +6,7 @@ FROM python:3.11-slim AS build
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY session_server ./session_server
+COPY tokenkeep ./tokenkeep
 COPY operator ./operator
 # The image installs the same wheel, with runtime dependencies only, that
 # tests/packaging/test_wheel.py builds, installs into a clean virtualenv and serves from.

@@ -28,11 +28,12 @@ from typing import Any
 from session_server.conversation import Conversation, Message, Tool, ToolCall
 from session_server.engines import EngineClient, _Call, encode_body
 from session_server.metrics import Metrics
+from session_server.service_config import ServiceConfig
 from session_server.splice import ChatModel
 from session_server.store.memory import MemoryStore
 from session_server.store.redis import RedisStore
 from session_server.tokenizer import load_tokenizer
-from session_server.turns import ServiceConfig, TurnService, _Sampled
+from session_server.turns import TurnService, _Sampled
 
 # tests/ helpers, shared rather than copied.
 sys.path.append(str(Path(__file__).resolve().parents[1]))

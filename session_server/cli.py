@@ -172,12 +172,12 @@ def _start_check(service: Any, settings: Any) -> None:
 
 # Subcommands that own their argument parsing: the rest of the command line goes to them.
 _DELEGATED = {
-    "engine": ("session_server.localengine", "a real vLLM engine on this machine's CPU"),
+    "engine": ("session_server.devtools.localengine", "a real vLLM engine on this machine's CPU"),
     "operator": ("tokenkeep_operator.cli", "run the Kubernetes operator"),
-    "demo": ("session_server.demo", "run the whole stack locally and drive a session"),
-    "sessions": ("session_server.sessions_cli", "list a running server's sessions, show one"),
+    "demo": ("session_server.devtools.demo", "run the whole stack locally and drive a session"),
+    "sessions": ("tokenkeep.cli.sessions", "list a running server's sessions, show one"),
     "check": ("session_server.check", "will this model's rollouts stay token-exact? (pre-flight)"),
-    "export": ("tokenkeep.cli", "write finished rollouts to a Parquet or JSONL file"),
+    "export": ("tokenkeep.cli.export", "write finished rollouts to a Parquet or JSONL file"),
 }
 
 

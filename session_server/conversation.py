@@ -362,3 +362,13 @@ def check_normalization_cost(conversation: Conversation, rules: list[Rule]) -> N
             f"with {len(rules)} rule(s)",
             param="messages",
         )
+
+
+def text_chars(conversation: Conversation) -> int:
+    """Characters of text in a request that would be tokenized (an upper bound)."""
+    return sum(
+        len(m.content or "")
+        + len(m.reasoning or "")
+        + sum(len(c.arguments) + len(c.name) for c in m.tool_calls)
+        for m in conversation.messages
+    )

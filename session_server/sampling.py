@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 from session_server.conversation import Conversation, ConversationError
 
 if TYPE_CHECKING:
+    from session_server.service_config import ServiceConfig
     from session_server.splice import ChatModel
-    from session_server.turns import ServiceConfig
 
 GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 

@@ -47,6 +47,7 @@ from session_server.conversation import (
     check_normalization_cost,
     compile_rules,
     lineage,
+    text_chars,
     validate,
 )
 from session_server.engines import EngineClient, GenerationDelta
@@ -63,6 +64,7 @@ from session_server.results import (
     TurnResult,
 )
 from session_server.sampling import build_sampling
+from session_server.service_config import ServiceConfig
 from session_server.splice import BRIDGE_CONTEXT_TOKENS, ChatModel
 from session_server.store.base import (
     IDEMPOTENCY_DONE,
@@ -230,28 +232,6 @@ class Plan:
         if self.segment_start:
             return 0
         return len(self.prompt_ids) - len(self.prompt_delta) - 1
-
-
-@dataclass(slots=True)
-class ServiceConfig:
-    model_name: str
-    context_length: int
-    max_text_chars: int | None = None
-    """Message text longer than this cannot fit the context (refused before tokenizing)."""
-    create_on_first_use: bool = True
-    default_ttl_seconds: int | None = 86400
-    routed_experts: bool = False
-    """Sessions store MoE routes unless created saying otherwise."""
-    max_policy_lag: int | None = None
-    """A new turn is refused once the engine's version exceeds the version that sampled the
-    rollout's first turn by more than this (None: no bound)."""
-    sampling_overrides: dict[str, Any] = field(default_factory=dict)
-    generation_defaults: dict[str, Any] = field(default_factory=dict)
-    max_sessions_cached: int = 4096
-    idempotency_wait_s: float = 60.0
-    """How long a resend waits for the request holding its Idempotency-Key (then 409)."""
-    idempotency_stale_s: float = 900.0
-    """A claim older than this is abandoned (its server died): a resend takes it over."""
 
 
 class TurnService:
@@ -536,18 +516,7 @@ class TurnService:
         self._check_policy_lag(found)
         n = len(prompt_ids)
         if found.retry_of is not None:
-            retry = found.retry_of
-            plan = self._plan(
-                meta,
-                conversation,
-                None,
-                prompt_ids,
-                retry.parent_id,
-                retry.segment_start,
-                retry.prompt_delta,
-                "retry",
-                retry.break_reason,
-            )
+            plan = self._retry(meta, conversation, None, prompt_ids, found.retry_of)
         elif found.parent_path and found.matched_key_index is not None:
             cut = cuts[found.matched_key_index]
             stored = _tokens_through(found.parent_path)
@@ -558,28 +527,18 @@ class TurnService:
                 meta,
                 conversation,
                 None,
-                prompt_ids,
-                found.parent_path[-1].turn_id,
-                False,
-                prompt_ids[cut:],
-                kind,
-                None,
+                prompt=prompt_ids,
+                parent_id=found.parent_path[-1].turn_id,
+                segment_start=False,
+                delta=prompt_ids[cut:],
+                kind=kind,
+                reason=None,
             )
         elif found.turn_count == 0:
-            plan = self._plan(
-                meta, conversation, None, prompt_ids, None, True, prompt_ids, "first", None
-            )
+            plan = self._fresh(meta, conversation, None, prompt_ids, None, "first", None)
         else:
-            plan = self._plan(
-                meta,
-                conversation,
-                None,
-                prompt_ids,
-                None,
-                True,
-                prompt_ids,
-                "rewrite",
-                "history_mismatch",
+            plan = self._fresh(
+                meta, conversation, None, prompt_ids, None, "rewrite", "history_mismatch"
             )
         plan.n_messages = 0
         plan.earlier = _earlier(plan, found)
@@ -618,19 +577,8 @@ class TurnService:
     ) -> Plan:
         messages = conversation.messages
         if found.retry_of is not None:
-            retry = found.retry_of
-            prompt = _prompt_of(found.retry_path, retry)
-            return self._plan(
-                meta,
-                conversation,
-                keys,
-                prompt,
-                retry.parent_id,
-                retry.segment_start,
-                retry.prompt_delta,
-                "retry",
-                retry.break_reason,
-            )
+            prompt = _prompt_of(found.retry_path, found.retry_of)
+            return self._retry(meta, conversation, keys, prompt, found.retry_of)
         if found.parent_path:
             parent = found.parent_path[-1]
             if conversation.previous_response_id:
@@ -658,12 +606,12 @@ class TurnService:
                     meta,
                     conversation,
                     keys,
-                    stored + bridge.delta,
-                    parent.turn_id,
-                    False,
-                    bridge.delta,
-                    kind,
-                    None,
+                    prompt=stored + bridge.delta,
+                    parent_id=parent.turn_id,
+                    segment_start=False,
+                    delta=bridge.delta,
+                    kind=kind,
+                    reason=None,
                 )
                 plan.prompt_json = self._extended_json(
                     meta.session_id, parent.turn_id, stored, bridge.delta
@@ -672,7 +620,7 @@ class TurnService:
             return self._rewrite(meta, conversation, keys, parent.turn_id, bridge.refusal)
         if found.turn_count == 0:
             prompt = self._fresh_prompt(conversation)
-            return self._plan(meta, conversation, keys, prompt, None, True, prompt, "first", None)
+            return self._fresh(meta, conversation, keys, prompt, None, "first", None)
         return self._rewrite(meta, conversation, keys, None, "history_mismatch")
 
     def _extended_json(
@@ -731,16 +679,52 @@ class TurnService:
         reason: str | None,
     ) -> Plan:
         prompt = self._fresh_prompt(conversation)
+        return self._fresh(
+            meta, conversation, keys, prompt, parent_id, "rewrite", reason or "history_mismatch"
+        )
+
+    def _retry(
+        self,
+        meta: SessionMeta,
+        conversation: Conversation,
+        keys: Lineage | None,
+        prompt: list[int],
+        retry: TurnRecord,
+    ) -> Plan:
+        """A new sibling of `retry` with the same prompt (both the message and token paths)."""
         return self._plan(
             meta,
             conversation,
             keys,
-            prompt,
-            parent_id,
-            True,
-            prompt,
-            "rewrite",
-            reason or "history_mismatch",
+            prompt=prompt,
+            parent_id=retry.parent_id,
+            segment_start=retry.segment_start,
+            delta=retry.prompt_delta,
+            kind="retry",
+            reason=retry.break_reason,
+        )
+
+    def _fresh(
+        self,
+        meta: SessionMeta,
+        conversation: Conversation,
+        keys: Lineage | None,
+        prompt: list[int],
+        parent_id: int | None,
+        kind: str,
+        reason: str | None,
+    ) -> Plan:
+        """A turn that starts a new segment (`first` or `rewrite`): its whole prompt is new."""
+        return self._plan(
+            meta,
+            conversation,
+            keys,
+            prompt=prompt,
+            parent_id=parent_id,
+            segment_start=True,
+            delta=prompt,
+            kind=kind,
+            reason=reason,
         )
 
     def _plan(
@@ -748,6 +732,7 @@ class TurnService:
         meta: SessionMeta,
         conversation: Conversation,
         keys: Lineage | None,
+        *,
         prompt: list[int],
         parent_id: int | None,
         segment_start: bool,
@@ -1458,16 +1443,6 @@ def return_token_ids(conversation: Conversation, session: SessionMeta) -> bool:
     if session.return_token_ids is not None:
         return session.return_token_ids
     return conversation.api == "completions"
-
-
-def text_chars(conversation: Conversation) -> int:
-    """Characters of text in a request that would be tokenized (an upper bound)."""
-    return sum(
-        len(m.content or "")
-        + len(m.reasoning or "")
-        + sum(len(c.arguments) + len(c.name) for c in m.tool_calls)
-        for m in conversation.messages
-    )
 
 
 def volatile_parts(conversation: Conversation, rules: list[Rule]) -> list[str]:

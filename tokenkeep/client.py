@@ -19,7 +19,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict, Unpack
 
 import httpx
 
@@ -97,14 +97,30 @@ def _list(selector: str | None, since: float | None, until: float | None, limit:
     return _Call("GET", "/sessions", params={"finished": "true", "limit": limit, **params})
 
 
+class ExportSelection(TypedDict, total=False):
+    """What `export` selects (every key optional; defaults as in `_export`)."""
+
+    session_ids: list[str] | None
+    selector: str | None
+    since: float | None
+    until: float | None
+    limit: int
+    min_weight_version: float | None
+    stale: Stale
+    group: str | None
+    status: list[str] | None
+    failed_members: str
+
+
 def _export(
-    session_ids: list[str] | None,
-    selector: str | None,
-    since: float | None,
-    until: float | None,
-    limit: int,
-    min_weight_version: float | None,
-    stale: Stale,
+    *,
+    session_ids: list[str] | None = None,
+    selector: str | None = None,
+    since: float | None = None,
+    until: float | None = None,
+    limit: int = 1000,
+    min_weight_version: float | None = None,
+    stale: Stale = "mask",
     group: str | None = None,
     status: list[str] | None = None,
     failed_members: str = "hold",
@@ -122,6 +138,11 @@ def _export(
     )
     fixed = {"limit": limit, "stale": stale, "failed_members": failed_members}
     return _Call("POST", "/sessions/export", json={**fixed, **body})
+
+
+def _viewer_sessions(limit: int, offset: int, metadata: str | None, state: str | None) -> _Call:
+    params = _without_none({"metadata": metadata, "state": state})
+    return _Call("GET", "/ui/api/sessions", params={"limit": limit, "offset": offset, **params})
 
 
 def _finished(data: dict[str, Any]) -> list[FinishedSession]:
@@ -240,35 +261,15 @@ class Client:
     ) -> list[FinishedSession]:
         return _finished(self._send(_list(selector, since, until, limit)))
 
-    def export(
-        self,
-        *,
-        session_ids: list[str] | None = None,
-        selector: str | None = None,
-        since: float | None = None,
-        until: float | None = None,
-        limit: int = 1000,
-        min_weight_version: float | None = None,
-        stale: Stale = "mask",
-        group: str | None = None,
-        status: list[str] | None = None,
-        failed_members: str = "hold",
-    ) -> Iterator[Row]:
-        """Rows (one per segment) of finished sessions, streamed as the server sends them.
-        Raises TokenkeepError before the first row for a batch that cannot be exported
-        (an unknown or unfinished session, nothing matching)."""
-        call = _export(
-            session_ids,
-            selector,
-            since,
-            until,
-            limit,
-            min_weight_version,
-            stale,
-            group,
-            status,
-            failed_members,
-        )
+    def export(self, **selection: Unpack[ExportSelection]) -> Iterator[Row]:
+        """Rows (one per segment) of finished sessions, streamed as the server sends them:
+        named by `session_ids`, or every finished session matching `selector` (metadata
+        `key=value,...`), `since`/`until` (finish time) and `group`/`status`, at most `limit`;
+        `min_weight_version` with `stale` (`mask` or `drop`) for the staleness filter;
+        `failed_members` (`hold` or `drop`) for groups with failed rollouts. Raises
+        TokenkeepError before the first row for a batch that cannot be exported (an unknown
+        or unfinished session, nothing matching)."""
+        call = _export(**selection)
         with self._http.stream(call.method, call.path, json=call.json) as response:
             if response.status_code >= 400:
                 _raise_for(response.status_code, response.read())
@@ -280,6 +281,25 @@ class Client:
     def export_batch(self, *, pad_id: int = 0, **selection: Any) -> Batch:
         """`export(**selection)` stacked into padded NumPy arrays."""
         return Batch.from_rows(self.export(**selection), pad_id=pad_id)
+
+    def viewer_sessions(
+        self,
+        *,
+        limit: int = 50,
+        offset: int = 0,
+        metadata: str | None = None,
+        state: Literal["running", "finished"] | None = None,
+    ) -> dict[str, Any]:
+        """A page of sessions as the rollout viewer lists them, newest first (its JSON:
+        `sessions`, `total`, `offset`). `metadata` filters by `key=value[,key=value]`."""
+        data: dict[str, Any] = self._send(_viewer_sessions(limit, offset, metadata, state))
+        return data
+
+    def viewer_session(self, session_id: str) -> dict[str, Any]:
+        """One session as the rollout viewer shows it (its JSON): each branch's segments
+        with token ids, decoded pieces, loss mask, special-token flags and break reasons."""
+        data: dict[str, Any] = self._send(_Call("GET", f"/ui/api/sessions/{session_id}"))
+        return data
 
     def delete(self, session_id: str) -> None:
         self._send(_Call("DELETE", f"/sessions/{session_id}"))
@@ -374,32 +394,9 @@ class AsyncClient:
     ) -> list[FinishedSession]:
         return _finished(await self._send(_list(selector, since, until, limit)))
 
-    async def export(
-        self,
-        *,
-        session_ids: list[str] | None = None,
-        selector: str | None = None,
-        since: float | None = None,
-        until: float | None = None,
-        limit: int = 1000,
-        min_weight_version: float | None = None,
-        stale: Stale = "mask",
-        group: str | None = None,
-        status: list[str] | None = None,
-        failed_members: str = "hold",
-    ) -> AsyncIterator[Row]:
-        call = _export(
-            session_ids,
-            selector,
-            since,
-            until,
-            limit,
-            min_weight_version,
-            stale,
-            group,
-            status,
-            failed_members,
-        )
+    async def export(self, **selection: Unpack[ExportSelection]) -> AsyncIterator[Row]:
+        """`Client.export`, streamed asynchronously."""
+        call = _export(**selection)
         async with self._http.stream(call.method, call.path, json=call.json) as response:
             if response.status_code >= 400:
                 _raise_for(response.status_code, await response.aread())

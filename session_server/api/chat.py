@@ -11,7 +11,9 @@ from typing import Any, Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from session_server.api import turn_service
 from session_server.api.params import explicit_sampling
+from session_server.api.replies import tokenkeep_info, usage
 from session_server.api.routing import LeanRoute, convert
 from session_server.api.session_ids import check_session_id, session_id_from_headers
 from session_server.api.sse import (
@@ -287,10 +289,6 @@ def _completion_id(response_id: str) -> str:
     return "chatcmpl-" + response_id
 
 
-def _tokenkeep_info(result_or_start: TurnResult | StreamStarted) -> dict[str, Any]:
-    return {"kind": result_or_start.kind, "break_reason": result_or_start.break_reason}
-
-
 def format_result(result: TurnResult, conversation: Conversation, model: Any) -> dict[str, Any]:
     choices = []
     for c in result.choices:
@@ -311,12 +309,8 @@ def format_result(result: TurnResult, conversation: Conversation, model: Any) ->
         "created": result.created,
         "model": result.model,
         "choices": choices,
-        "usage": {
-            "prompt_tokens": result.prompt_tokens,
-            "completion_tokens": result.completion_tokens,
-            "total_tokens": result.prompt_tokens + result.completion_tokens,
-        },
-        "tokenkeep": {**_tokenkeep_info(result), "turn_ids": [c.turn_id for c in result.choices]},
+        "usage": usage(result),
+        "tokenkeep": tokenkeep_info(result),
     }
     if result.return_token_ids:
         body["prompt_token_ids"] = result.prompt_ids
@@ -352,7 +346,7 @@ async def _chunks(
                         }
                     ],
                     **({"prompt_token_ids": event.prompt_ids} if i == 0 and token_ids else {}),
-                    tokenkeep=_tokenkeep_info(event),
+                    tokenkeep=tokenkeep_info(event),
                 )
         elif isinstance(event, ChoiceDelta):
             delta: dict[str, Any] = {}
@@ -405,23 +399,12 @@ async def _chunks(
         elif isinstance(event, StreamFinished):
             result = event.result
             if include_usage:
-                yield chunk(
-                    [],
-                    usage={
-                        "prompt_tokens": result.prompt_tokens,
-                        "completion_tokens": result.completion_tokens,
-                        "total_tokens": result.prompt_tokens + result.completion_tokens,
-                    },
-                    tokenkeep={
-                        **_tokenkeep_info(result),
-                        "turn_ids": [c.turn_id for c in result.choices],
-                    },
-                )
+                yield chunk([], usage=usage(result), tokenkeep=tokenkeep_info(result))
     yield DONE
 
 
 async def _serve(session_id: str, body: ChatCompletionRequest, request: Request) -> Any:
-    service = request.app.state.turns
+    service = turn_service(request)
     conversation = await convert(request, to_conversation, body)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     return await serve_turn(
@@ -468,11 +451,11 @@ def models_payload(model_name: str, context_length: int) -> dict[str, Any]:
 @router.get("/sessions/{session_id}/v1/models")
 async def session_models(session_id: str, request: Request) -> dict[str, Any]:
     check_session_id(session_id)
-    config = request.app.state.turns.config
+    config = turn_service(request).config
     return models_payload(config.model_name, config.context_length)
 
 
 @router.get("/v1/models")
 async def models(request: Request) -> dict[str, Any]:
-    config = request.app.state.turns.config
+    config = turn_service(request).config
     return models_payload(config.model_name, config.context_length)

@@ -15,7 +15,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from session_server.api import turn_service
 from session_server.api.params import explicit_sampling
+from session_server.api.replies import tokenkeep_info, usage
 from session_server.api.routing import LeanRoute
 from session_server.api.session_ids import check_session_id, session_id_from_headers
 from session_server.api.sse import (
@@ -123,14 +125,6 @@ def _logprobs(model: Any, token_ids: list[int], values: list[float], offset: int
     }
 
 
-def _usage(result: TurnResult) -> dict[str, int]:
-    return {
-        "prompt_tokens": result.prompt_tokens,
-        "completion_tokens": result.completion_tokens,
-        "total_tokens": result.prompt_tokens + result.completion_tokens,
-    }
-
-
 def format_result(result: TurnResult, conversation: Conversation, model: Any) -> dict[str, Any]:
     body = {
         "id": "cmpl-" + result.response_id,
@@ -150,12 +144,8 @@ def format_result(result: TurnResult, conversation: Conversation, model: Any) ->
             | ({"token_ids": c.token_ids} if result.return_token_ids else {})
             for c in result.choices
         ],
-        "usage": _usage(result),
-        "tokenkeep": {
-            "kind": result.kind,
-            "break_reason": result.break_reason,
-            "turn_ids": [c.turn_id for c in result.choices],
-        },
+        "usage": usage(result),
+        "tokenkeep": tokenkeep_info(result),
     }
     if result.return_token_ids:
         body["prompt_token_ids"] = result.prompt_ids
@@ -183,7 +173,7 @@ async def _chunks(
                     **head,
                     "choices": [],
                     **({"prompt_token_ids": event.prompt_ids} if token_ids else {}),
-                    "tokenkeep": {"kind": event.kind, "break_reason": event.break_reason},
+                    "tokenkeep": tokenkeep_info(event),
                 }
             )
         elif isinstance(event, ChoiceDelta):
@@ -228,12 +218,12 @@ async def _chunks(
                 }
             )
         elif isinstance(event, StreamFinished) and include_usage:
-            yield data_line({**head, "choices": [], "usage": _usage(event.result)})
+            yield data_line({**head, "choices": [], "usage": usage(event.result)})
     yield DONE
 
 
 async def _serve(session_id: str, body: CompletionRequest, request: Request) -> Any:
-    service = request.app.state.turns
+    service = turn_service(request)
     conversation = to_conversation(body)
     ids = prompt_ids(body, service.model)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)

@@ -17,7 +17,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
+from session_server.api import turn_service
 from session_server.api.params import SAMPLING_FIELDS
+from session_server.api.replies import tokenkeep_info, usage
 from session_server.api.routing import LeanRoute
 from session_server.api.session_ids import check_session_id, session_id_from_headers
 from session_server.api.sse import IDEMPOTENCY_KEY_DOC, openai_error_line, serve_turn
@@ -129,16 +131,8 @@ def format_result(result: TurnResult, body: GenerateRequest) -> dict[str, Any]:
             }
             for c in result.choices
         ],
-        "usage": {
-            "prompt_tokens": result.prompt_tokens,
-            "completion_tokens": result.completion_tokens,
-            "total_tokens": result.prompt_tokens + result.completion_tokens,
-        },
-        "tokenkeep": {
-            "kind": result.kind,
-            "break_reason": result.break_reason,
-            "turn_ids": [c.turn_id for c in result.choices],
-        },
+        "usage": usage(result),
+        "tokenkeep": tokenkeep_info(result),
     }
     if body.return_token_ids:
         reply["prompt_token_ids"] = result.prompt_ids
@@ -146,7 +140,7 @@ def format_result(result: TurnResult, body: GenerateRequest) -> dict[str, Any]:
 
 
 async def _serve(session_id: str, body: GenerateRequest, request: Request) -> Any:
-    service = request.app.state.turns
+    service = turn_service(request)
     conversation = to_conversation(body)
     ids = list(body.token_ids)
 

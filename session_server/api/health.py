@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from session_server.api import turn_service
 from session_server.api.chat import (
     ChatCompletionRequest,
     ChatMessageIn,
@@ -16,7 +17,7 @@ from session_server.api.chat import (
     to_conversation,
 )
 from session_server.api.errors import APIError
-from session_server.turns import text_chars
+from session_server.conversation import text_chars
 
 router = APIRouter()
 
@@ -28,7 +29,7 @@ async def healthz() -> dict[str, str]:
 
 @router.get("/readyz")
 async def readyz(request: Request) -> Response:
-    service = request.app.state.turns
+    service = turn_service(request)
     draining = request.app.state.admission.draining
     store_ok = await service.store.ping()
     engine_ok = await service.engine.ready()
@@ -45,7 +46,7 @@ async def readyz(request: Request) -> Response:
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     return Response(
-        generate_latest(request.app.state.turns.metrics.registry), media_type=CONTENT_TYPE_LATEST
+        generate_latest(turn_service(request).metrics.registry), media_type=CONTENT_TYPE_LATEST
     )
 
 
@@ -72,7 +73,7 @@ class DetokenizeRequest(BaseModel):
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
-    service = request.app.state.turns
+    service = turn_service(request)
     model = service.model
     if body.prompt is not None:
         service.check_fits(len(body.prompt), param="prompt")
@@ -91,7 +92,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeRequest, request: Request) -> dict[str, Any]:
-    model = request.app.state.turns.model
+    model = turn_service(request).model
     bad = [t for t in body.tokens if t < 0 or t >= model.vocab_size]
     if bad:
         raise APIError(400, f"token ids out of vocabulary: {bad[:5]}", param="tokens")

@@ -28,11 +28,19 @@ from typing import Annotated, Any, Literal
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeInt
 
+from session_server.api import turn_service
 from session_server.api.errors import classify, error_body
 from session_server.api.routing import LeanRoute, convert
 from session_server.api.session_ids import check_session_id, session_id_from_headers
 from session_server.api.sse import IDEMPOTENCY_KEY_DOC, event_line, serve_turn
-from session_server.conversation import Conversation, ConversationError, Message, Tool, ToolCall
+from session_server.conversation import (
+    Conversation,
+    ConversationError,
+    Message,
+    Tool,
+    ToolCall,
+    text_chars,
+)
 from session_server.images import (
     ImageInput,
     check_count,
@@ -50,7 +58,6 @@ from session_server.results import (
     StreamStarted,
     TurnResult,
 )
-from session_server.turns import text_chars
 
 router = APIRouter(route_class=LeanRoute)
 
@@ -499,7 +506,7 @@ async def message_stream(events: AsyncIterator[StreamEvent]) -> AsyncIterator[by
 
 async def _serve(session_id: str, wire: MessagesRequest, request: Request) -> Any:
     conversation = await convert(request, conversation_from_request, wire)
-    service = request.app.state.turns
+    service = turn_service(request)
 
     def on_error(exc: Exception) -> bytes:
         # The status line is gone: Anthropic reports a failure mid-stream as an event.
@@ -526,7 +533,7 @@ async def _count_tokens(session_id: str, wire: CountTokensRequest, request: Requ
     """The prompt the conversation renders to by itself; a later turn that continues stored
     tokens can differ by the few tokens the bridge frames differently."""
     conversation = await convert(request, conversation_from_request, wire)
-    service = request.app.state.turns
+    service = turn_service(request)
     request.state.session_id = session_id
     request.state.api = "messages"
     service.check_fits(text_chars(conversation), len(conversation.messages))

@@ -37,6 +37,7 @@ from pydantic import (
     Tag,
 )
 
+from session_server.api import turn_service
 from session_server.api.errors import classify
 from session_server.api.response_tools import (
     ToolMap,
@@ -697,7 +698,7 @@ async def _serve(session_id: str, wire: ResponsesRequest, request: Request) -> A
     seal: ReasoningSealer | None = None
     if "reasoning.encrypted_content" in wire.include:
         seal = lambda result_id, text: seal_reasoning(key, session_id, result_id, text)  # noqa: E731
-    service = request.app.state.turns
+    service = turn_service(request)
     stream = ResponseStream(wire, seal)
     return await serve_turn(
         request,

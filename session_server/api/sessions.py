@@ -14,6 +14,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from session_server import batch, export
+from session_server.api import turn_service
 from session_server.api.auth import issue_session_key
 from session_server.api.errors import APIError
 from session_server.api.session_ids import SESSION_ID_PATTERN, check_session_id
@@ -66,7 +67,7 @@ async def create_session(request: Request, body: CreateSession | None = None) ->
     body = body or CreateSession()
     if (body.group is None) != (body.group_size is None):
         raise APIError(400, "group and group_size go together", param="group_size")
-    service = request.app.state.turns
+    service = turn_service(request)
     session_id = body.id or uuid.uuid4().hex
     if body.id and await service.store.get_session(session_id) is not None:
         raise APIError(409, f"session {session_id!r} already exists", param="id")
@@ -102,7 +103,7 @@ async def create_session(request: Request, body: CreateSession | None = None) ->
 
 async def _existing(request: Request, session_id: str) -> Any:
     check_session_id(session_id)
-    meta = await request.app.state.turns.store.get_session(session_id)
+    meta = await turn_service(request).store.get_session(session_id)
     if meta is None:
         raise APIError(404, f"session {session_id!r} not found", param="session_id")
     return meta
@@ -189,7 +190,7 @@ async def list_sessions(
         raise APIError(400, "limit must be between 1 and 100000", param="limit")
     try:
         found = await batch.select(
-            request.app.state.turns.store,
+            turn_service(request).store,
             selector=batch.parse_selector(selector),
             since=since,
             until=until,
@@ -227,7 +228,7 @@ def _statuses(text: str | None) -> list[str] | None:
 
 async def _group_state(request: Request, group_id: str) -> dict[str, Any]:
     check_session_id(group_id)
-    found = await batch.groups(request.app.state.turns.store, [group_id])
+    found = await batch.groups(turn_service(request).store, [group_id])
     if group_id not in found:
         raise APIError(404, f"group {group_id!r} not found", param="group")
     group = found[group_id]
@@ -245,7 +246,7 @@ async def export_batch(body: ExportBatch, request: Request) -> StreamingResponse
     """Finished sessions as JSONL, one line per segment (`session_server.export.rows`).
     Every session is checked before the first line; a session deleted while the export
     streams ends it with an `{"error": ...}` line."""
-    store = request.app.state.turns.store
+    store = turn_service(request).store
     staleness = _staleness(body.min_weight_version, body.stale)
     try:
         if body.group is not None:
@@ -301,7 +302,7 @@ async def finish_session(
         status=body.status,
     )
     try:
-        await request.app.state.turns.store.finish_session(session_id, finish)
+        await turn_service(request).store.finish_session(session_id, finish)
     except AlreadyFinished as exc:
         raise APIError(409, f"session {session_id!r} is already finished") from exc
     return {"id": session_id, "finish": _finish_json(finish)}
@@ -323,10 +324,10 @@ async def abort_session(
     once they have (at most ~10 s)."""
     body = body or AbortSession()
     await _existing(request, session_id)
-    store = request.app.state.turns.store
+    store = turn_service(request).store
     if await store.get_finish(session_id) is not None:
         raise APIError(409, f"session {session_id!r} is finished; nothing to abort")
-    aborted = await request.app.state.turns.abort(session_id)
+    aborted = await turn_service(request).abort(session_id)
     finish = None
     if body.finish:
         finish = Finish(finished_at=time.time(), metadata={"status": "aborted"}, status="aborted")
@@ -340,7 +341,7 @@ async def abort_session(
 @router.get("/sessions/{session_id}")
 async def get_session(session_id: str, request: Request) -> dict[str, Any]:
     meta = await _existing(request, session_id)
-    service = request.app.state.turns
+    service = turn_service(request)
     turns = await service.store.all_turns(session_id)
     finish = await service.store.get_finish(session_id)
     first_version, lag_exceeded = service.policy_lag(turns[0] if turns else None)
@@ -375,7 +376,7 @@ async def get_trajectory(
     path to the most recently stored turn (one leaf per rollout)."""
     await _existing(request, session_id)
     staleness = _staleness(min_weight_version, stale)
-    turns = await request.app.state.turns.store.all_turns(session_id)
+    turns = await turn_service(request).store.all_turns(session_id)
     data = export.trajectory(session_id, turns, staleness, branches)
     if format == "json":
         return data
@@ -392,7 +393,7 @@ async def get_image(session_id: str, sha256: str, request: Request) -> Response:
     """An image of the session, by the hash the trajectory lists it under (admin key, like
     the export): the trainer rebuilds pixel inputs from these bytes."""
     await _existing(request, session_id)
-    data = await request.app.state.turns.store.get_image(session_id, sha256.lower())
+    data = await turn_service(request).store.get_image(session_id, sha256.lower())
     if data is None:
         raise APIError(404, f"session {session_id!r} has no image {sha256!r}", param="sha256")
     return Response(data, media_type=image_media_type(data))
@@ -401,6 +402,6 @@ async def get_image(session_id: str, sha256: str, request: Request) -> Response:
 @router.delete("/sessions/{session_id}", status_code=204)
 async def delete_session(session_id: str, request: Request) -> Response:
     check_session_id(session_id)
-    if not await request.app.state.turns.delete_session(session_id):
+    if not await turn_service(request).delete_session(session_id):
         raise APIError(404, f"session {session_id!r} not found", param="session_id")
     return Response(status_code=204)

@@ -15,6 +15,7 @@ from fastapi import APIRouter, Request, Response
 from fastapi.responses import RedirectResponse
 
 from session_server import export
+from session_server.api import turn_service
 from session_server.api.errors import APIError
 from session_server.api.session_ids import check_session_id
 from session_server.images import thumbnail_data_url
@@ -95,7 +96,7 @@ async def list_sessions(
     if offset < 0 or not 1 <= limit <= MAX_PAGE:
         raise APIError(400, f"offset >= 0 and 1 <= limit <= {MAX_PAGE}", param="limit")
     wanted = _metadata_filter(metadata)
-    store = request.app.state.turns.store
+    store = turn_service(request).store
     rows = await store.list_sessions()
     finishes = {sid: finish for sid, _meta, finish in await store.list_finished(limit=len(rows))}
     matching = [
@@ -143,7 +144,7 @@ async def session_view(session_id: str, request: Request) -> dict[str, Any]:
     """What the session page draws: the summary, the whole turn tree, and every branch's
     segments with each token's decoded piece and whether it is a special token."""
     check_session_id(session_id)
-    service = request.app.state.turns
+    service = turn_service(request)
     meta = await service.store.get_session(session_id)
     if meta is None:
         raise APIError(404, f"session {session_id!r} not found", param="session_id")

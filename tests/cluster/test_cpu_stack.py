@@ -17,7 +17,7 @@ import httpx
 import openai
 from tokenizers import Tokenizer
 
-from session_server.demo import TOOLS, answer_grammar, tool_call_grammar, weather
+from session_server.devtools.demo import TOOLS, answer_grammar, tool_call_grammar, weather
 from tests.cluster.conftest import Node, wait_for
 from tests.operator.conftest import REPO_ROOT
 from tests.operator.real_cluster import OPERATOR_NAMESPACE, RELEASE

@@ -19,7 +19,6 @@ import httpx
 import pytest
 from PIL import Image
 
-from session_server import localengine
 from session_server.conversation import (
     IMAGE_MARK,
     Conversation,
@@ -28,6 +27,7 @@ from session_server.conversation import (
     Tool,
     lineage,
 )
+from session_server.devtools import localengine
 from session_server.images import (
     ImageInput,
     ImageTooLarge,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from session_server import demo
+from session_server.devtools import demo
 
 pytestmark = pytest.mark.vllm
 

@@ -2,7 +2,7 @@
 against what vLLM itself reports: contiguity, tool calls, reasoning, one segment per session.
 
 The random-weights model samples sub-word soup; where a turn needs a tool call, the request
-carries a grammar (`session_server.demo.tool_call_grammar`) so the engine really samples a
+carries a grammar (`session_server.devtools.demo.tool_call_grammar`) so the engine really samples a
 reasoning block and a hermes `<tool_call>` with the model's own special tokens."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from session_server.demo import TOOLS, answer_grammar, tool_call_grammar, weather
+from session_server.devtools.demo import TOOLS, answer_grammar, tool_call_grammar, weather
 from tests.integration.conftest import TALLY, RealStack
 from tests.integration.relay import Exchange
 from tests.session.adversarial import naive_prompt

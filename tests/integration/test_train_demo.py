@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from session_server import demo, train
+from session_server.devtools import demo, train
 from tests.vllm_fixture import RunningEngine
 
 pytestmark = pytest.mark.vllm

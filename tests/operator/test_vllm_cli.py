@@ -1,6 +1,6 @@
 """The vLLM command lines the operator renders, parsed by vLLM's own `vllm serve` parser.
 
-vLLM lives in the engine's own virtualenv (`session_server.localengine`, cached under
+vLLM lives in the engine's own virtualenv (`session_server.devtools.localengine`, cached under
 ~/.cache/tokenkeep), not in the test environment, so the parser runs there: the rendered
 command lines go in as JSON, the parsed arguments and vLLM's registered parsers come back.
 Tier 2 (`vllm`): `TOKENKEEP_SKIP_VLLM=1` skips it, and in CI a skip is a failure."""
@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from session_server import localengine
+from session_server.devtools import localengine
 from tests.operator.test_manifests import SCENARIOS
 from tests.vllm_fixture import skip_if_asked
 

@@ -166,7 +166,7 @@ def test_wheel_holds_the_tracked_package_files(installed: Installed) -> None:
     assert not missing, f"not in the wheel: {missing}"
 
 
-@pytest.mark.parametrize("command", ["operator", "engine", "demo"])
+@pytest.mark.parametrize("command", ["operator", "engine", "demo", "check", "sessions", "export"])
 def test_subcommands_start(installed: Installed, tmp_path: Path, command: str) -> None:
     result = installed.run(installed.bin("tokenkeep"), command, "--help", cwd=tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr

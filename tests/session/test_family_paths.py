@@ -278,7 +278,7 @@ def test_startup_check_reports_parsing_and_the_path_on_metrics(tmp_path: Path) -
 
 def test_templates_without_a_family_fall_back_to_generic_and_say_why(tmp_path: Path) -> None:
     """No chat template, a template that raises: the generic path, with the reason
-    (`tokenkeep check` exits 2 on both: tests/test_check.py)."""
+    (`tokenkeep check` exits 2 on both: tests/check/test_check.py)."""
     from session_server.splice import GENERIC, choose_path
     from session_server.tokenizer import load_tokenizer
 

@@ -11,8 +11,8 @@ import sys
 import httpx
 import pytest
 
-from session_server import sessions_cli
 from tests.viewer.conftest import SAMPLED_ANSWER, Live, drive_rich_session
+from tokenkeep.cli import sessions as sessions_cli
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ same masked softmax vLLM sampled from (vLLM's logprobs are taken after the gramm
 The reward is 1 when it asked about the city the user named, else 0: a random policy
 meets it 1 time in len(CITIES), and only learning raises it.
 
-The learner (`session_server.grpo`, torch in the engine's environment) takes a
+The learner (`session_server.devtools.grpo`, torch in the engine's environment) takes a
 GRPO step from tokenkeep's exported arrays (token ids, loss mask, the rollout's logprobs),
 writes the new weights, and vLLM reloads them in place (`/collective_rpc reload_weights`:
 the engine is never restarted); the policy version is bumped so the next tokens carry it.
@@ -39,24 +39,13 @@ from typing import Any
 
 import httpx
 
-from session_server import demo, grpo, localengine
+from session_server.devtools import grpo, localengine
+from session_server.devtools.stack import local_server, progress
+from session_server.devtools.weather import weather, weather_tools
 
 CITIES = ("Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Delhi", "Quito", "Rome")
 TARGET = "Lima"
-TOOLS: list[dict[str, Any]] = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Current weather for a city.",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string", "enum": list(CITIES)}},
-                "required": ["city"],
-            },
-        },
-    }
-]
+TOOLS = weather_tools(CITIES)
 MESSAGES: list[dict[str, Any]] = [
     {"role": "system", "content": "You are a weather assistant. Use the tools."},
     {"role": "user", "content": f"What is the weather in {TARGET}?"},
@@ -170,7 +159,7 @@ def run_rollout(
             for tool_call in calls:
                 asked = json.loads(tool_call.function.arguments).get("city", "")
                 city = city or asked
-                result = demo.weather(asked)
+                result = weather(asked)
                 messages.append({"role": "tool", "tool_call_id": tool_call.id, "content": result})
             client.chat.completions.create(
                 model=model,
@@ -271,7 +260,7 @@ class Engine:
         self._post("/pause", params={"mode": "wait"})
         try:
             # Not plain `reload_weights`: it leaves a tied output layer on the old weights
-            # (session_server/vllm_worker.py).
+            # (session_server/devtools/vllm_worker.py).
             reloaded = self._post(
                 "/collective_rpc", json={"method": "reload_weights_tied", "args": [str(weights)]}
             ).json()["results"][0]
@@ -475,18 +464,16 @@ def main(args: argparse.Namespace) -> int:
         if args.engine_url:
             url, served = args.engine_url, localengine.served_name(localengine.TINY_MODEL_NAME)
         else:
-            demo._progress("[train] starting vLLM (dev mode: weight reloads and versions)")
+            progress("[train] starting vLLM (dev mode: weight reloads and versions)")
             # One engine thread: the learner takes the other core.
-            owned = localengine.start(dev_mode=True, threads=1, progress=demo._progress)
+            owned = localengine.start(dev_mode=True, threads=1, progress=progress)
             url, served, model_dir = owned.url, owned.served_model_name, owned.model_dir
         engine = Engine(url, served)
         with tempfile.TemporaryDirectory(prefix="tokenkeep-train-") as work:
             learner = Learner(model_dir, Path(work), args.lr, args.seed or 0)
             try:
-                with demo._session_server(
-                    url, served, model_dir, args.redis_url, args.port
-                ) as base:
-                    demo._progress(f"[train] session server {base} -> vLLM {url}")
+                with local_server(url, served, model_dir, args.redis_url, args.port) as base:
+                    progress(f"[train] session server {base} -> vLLM {url}")
                     summary = train(
                         base,
                         engine,

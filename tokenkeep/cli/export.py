@@ -10,13 +10,13 @@ after the file is complete and in place; an export that fails deletes nothing.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import httpx
 
+from tokenkeep.cli import server_arguments
 from tokenkeep.client import Client, TokenkeepError
 from tokenkeep.files import ExportFileError, check_writable, write
 from tokenkeep.types import Row
@@ -30,8 +30,7 @@ def _parser() -> argparse.ArgumentParser:
         choices=["parquet", "jsonl"],
         help="default: from the output's suffix (.jsonl/.ndjson: jsonl, else parquet)",
     )
-    p.add_argument("--url", default=os.environ.get("TOKENKEEP_URL", "http://127.0.0.1:8000"))
-    p.add_argument("--api-key", default=os.environ.get("TOKENKEEP_API_KEY"))
+    server_arguments(p)
     p.add_argument("--session", action="append", dest="sessions", help="repeat for several")
     p.add_argument("--selector", help="key=value,... over session metadata")
     p.add_argument("--since", type=float, help="finished at or after (Unix time)")
@@ -55,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tokenkeep export: {exc}", file=sys.stderr)
         return 2
     try:
-        with Client(args.url, api_key=args.api_key, timeout=600) as client:
+        with Client(args.url, api_key=args.admin_key, timeout=600) as client:
             return _export(client, args, fmt)
     except TokenkeepError as exc:
         print(f"tokenkeep export: the server refused: {exc.message}", file=sys.stderr)

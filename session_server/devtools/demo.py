@@ -17,32 +17,18 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
-import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from session_server import localengine, train
+from session_server.devtools import localengine, train
+from session_server.devtools.stack import local_server, progress
+from session_server.devtools.weather import weather, weather_tools
 
 CITIES = ("Paris", "Tokyo", "Lima")
-TOOLS: list[dict[str, Any]] = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Current weather for a city.",
-            "parameters": {
-                "type": "object",
-                "properties": {"city": {"type": "string", "enum": list(CITIES)}},
-                "required": ["city"],
-            },
-        },
-    }
-]
+TOOLS = weather_tools(CITIES)
 # The harness's plan: (a new user message, the city the model is made to ask about, or None
 # for a plain answer).
 SCRIPT: tuple[tuple[str | None, str | None], ...] = (
@@ -80,54 +66,6 @@ def tool_call_grammar(vocab: dict[str, int], name: str, arguments: dict[str, Seq
 def answer_grammar(vocab: dict[str, int]) -> str:
     """Reasoning, then a few words of answer."""
     return reasoning_then(vocab, WORDS)
-
-
-def weather(city: str) -> str:
-    """The demo's tool: deterministic, so the transcript is reproducible."""
-    temperature = 5 + sum(map(ord, city)) % 25
-    return json.dumps({"city": city, "temperature_c": temperature, "sky": "clear"})
-
-
-def _progress(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
-
-
-@contextmanager
-def _session_server(
-    engine_url: str, model: str, model_dir: Path, redis_url: str | None, port: int
-) -> Iterator[str]:
-    """The session server on a loopback port, in a thread of this process."""
-    import uvicorn
-
-    from session_server.app import create_app
-    from session_server.settings import Settings
-
-    settings = Settings(
-        engine_urls=[engine_url],
-        model=model,
-        tokenizer=str(model_dir),
-        context_length=localengine.DEFAULT_MAX_MODEL_LEN,
-        redis_url=redis_url,
-    )
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", port))
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(settings), log_level="warning", access_log=False)
-    )
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the session server did not start")
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(15)
-        sock.close()
 
 
 def drive(base_url: str, model_dir: Path, *, seed: int | None = None) -> dict[str, Any]:
@@ -350,15 +288,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.train:
         return train.main(args)
     started = time.monotonic()
-    _progress("[demo] setting up the engine (first run: a few minutes; cached afterwards)")
+    progress("[demo] setting up the engine (first run: a few minutes; cached afterwards)")
     try:
         model = localengine.VISION_MODEL_NAME if args.vision else localengine.TINY_MODEL_NAME
-        engine = localengine.start(model, progress=_progress)
+        engine = localengine.start(model, progress=progress)
     except localengine.LocalEngineError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     try:
-        with _session_server(
+        with local_server(
             engine.url, engine.served_model_name, engine.model_dir, args.redis_url, args.port
         ) as url:
             store = args.redis_url or "embedded store"

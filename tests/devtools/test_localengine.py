@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from session_server import localengine
+from session_server.devtools import localengine
 
 
 def test_cache_lives_under_the_configured_directory(

@@ -628,7 +628,7 @@ WORKER_EXTENSION = "tokenkeep_vllm_worker.TiedReload"
 
 
 def _worker_extension_dir() -> Path:
-    """A directory holding only session_server/vllm_worker.py, as a top-level module the
+    """A directory holding only session_server/devtools/vllm_worker.py, as a top-level module the
     engine's workers import (tokenkeep's own packages must not shadow the engine's)."""
     ext_dir = engine_dir() / "worker-extension"
     ext_dir.mkdir(parents=True, exist_ok=True)
@@ -670,7 +670,7 @@ def start(
     """Start vLLM on the CPU (token endpoints on) and wait until `/health` answers. `model` is
     a name from MODELS (built on first use) or a model directory. `dev_mode` sets
     VLLM_SERVER_DEV_MODE=1 (the engine binds 127.0.0.1 only) and adds the worker extension
-    of session_server/vllm_worker.py (`reload_weights_tied`)."""
+    of session_server/devtools/vllm_worker.py (`reload_weights_tied`)."""
     if isinstance(model, Path):
         model_path, served_model_name = model, served_model_name or model.name
     else:

@@ -3,7 +3,7 @@ tokenizer (the one the tiny model serves)."""
 
 from __future__ import annotations
 
-from session_server import train
+from session_server.devtools import train
 from tests.real_tokenizers import qwen3_dir
 from tokenkeep.types import Row, WeightSpan
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from session_server import check
-from session_server.check import load_model, startup_check
+from session_server.check import load_model, startup, startup_check
 from tests.real_tokenizers import llama32_dir, qwen3_dir
 
 SCENARIO_KEYS = {
@@ -173,7 +173,7 @@ def test_startup_check_logs_the_verdict_and_caches_it(
     async def not_again(*_args: Any, **_kwargs: Any) -> None:
         raise AssertionError("the cached verdict should be used")
 
-    monkeypatch.setattr(check, "run_check", not_again)
+    monkeypatch.setattr(startup, "run_check", not_again)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="tokenkeep.check"):
         assert startup_check(model, tmp_path, verdicts.append) is True

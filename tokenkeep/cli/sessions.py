@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from datetime import datetime
 from typing import Any, TextIO
 
 import httpx
+
+from tokenkeep.cli import server_arguments
+from tokenkeep.client import Client, TokenkeepError
 
 _SAMPLED = ("\x1b[30;48;5;151m", "\x1b[30;48;5;114m")
 _CONTEXT = ("\x1b[2m", "\x1b[2;4m")
@@ -27,16 +29,7 @@ _RESET = "\x1b[0m"
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenkeep sessions", description=__doc__)
-    parser.add_argument(
-        "--url",
-        default=os.environ.get("TOKENKEEP_URL", "http://127.0.0.1:8000"),
-        help="the session server (TOKENKEEP_URL; default http://127.0.0.1:8000)",
-    )
-    parser.add_argument(
-        "--admin-key",
-        default=os.environ.get("TOKENKEEP_ADMIN_KEY"),
-        help="admin key where the server requires one (TOKENKEEP_ADMIN_KEY)",
-    )
+    server_arguments(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     listing = sub.add_parser("list", help="sessions, newest first")
     listing.add_argument("--limit", type=int, default=50)
@@ -49,18 +42,6 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("--branch", type=int, help="branch index (default: the newest)")
     show.add_argument("--json", action="store_true", help="print the JSON as received")
     return parser
-
-
-def _get(args: argparse.Namespace, path: str, params: dict[str, Any] | None = None) -> Any:
-    headers = {"Authorization": f"Bearer {args.admin_key}"} if args.admin_key else {}
-    response = httpx.get(args.url.rstrip("/") + path, params=params, headers=headers, timeout=60)
-    if response.status_code != 200:
-        try:
-            message = response.json()["error"]["message"]
-        except (ValueError, KeyError, TypeError):
-            message = response.text[:200]
-        raise SystemExit(f"tokenkeep sessions: HTTP {response.status_code}: {message}")
-    return response.json()
 
 
 def _breaks(breaks: dict[str, int]) -> str:
@@ -141,20 +122,25 @@ def print_session(data: dict[str, Any], branch_index: int | None, out: TextIO, t
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     out = sys.stdout
-    if args.command == "list":
-        params: dict[str, Any] = {"limit": args.limit, "offset": args.offset}
-        for name in ("metadata", "state"):
-            if getattr(args, name):
-                params[name] = getattr(args, name)
-        data = _get(args, "/ui/api/sessions", params)
-        if args.json:
-            print(json.dumps(data), file=out)
-        else:
-            print_list(data, out)
-        return 0
-    data = _get(args, f"/ui/api/sessions/{args.session_id}")
+    try:
+        with Client(args.url, api_key=args.admin_key) as client:
+            if args.command == "list":
+                data = client.viewer_sessions(
+                    limit=args.limit,
+                    offset=args.offset,
+                    metadata=args.metadata or None,
+                    state=args.state,
+                )
+            else:
+                data = client.viewer_session(args.session_id)
+    except TokenkeepError as exc:
+        raise SystemExit(f"tokenkeep sessions: HTTP {exc.status}: {exc.message}") from None
+    except httpx.HTTPError as exc:
+        raise SystemExit(f"tokenkeep sessions: cannot reach {args.url}: {exc}") from None
     if args.json:
         print(json.dumps(data), file=out)
+    elif args.command == "list":
+        print_list(data, out)
     else:
         print_session(data, args.branch, out, tty=out.isatty())
     return 0

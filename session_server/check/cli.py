@@ -1,0 +1,48 @@
+"""`tokenkeep check` on the command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+
+from session_server.check.report import format_report
+from session_server.check.run import CheckInputError, load_model, run_check
+
+
+def main(argv: list[str] | None = None) -> int:
+    import time
+
+    parser = argparse.ArgumentParser(
+        prog="tokenkeep check",
+        description="Will this model's multi-turn rollouts stay token-exact through tokenkeep?",
+    )
+    parser.add_argument("--tokenizer", required=True, help="tokenizer directory (as for serve)")
+    parser.add_argument("--renderer", default="auto", help="auto (default) or a renderer name")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    try:
+        model = load_model(args.tokenizer, args.renderer)
+    except CheckInputError as exc:
+        print(f"tokenkeep check: {exc}", file=sys.stderr)
+        return 2
+    interactive = sys.stderr.isatty()
+
+    def progress(line: str) -> None:
+        if interactive:
+            print(f"\r\033[Kchecking {line}", end="", file=sys.stderr, flush=True)
+        else:
+            print(f"checking {line}", file=sys.stderr, flush=True)
+
+    logging.getLogger("tokenkeep").setLevel(logging.ERROR)  # the report says it all
+    report = asyncio.run(run_check(model, name=args.tokenizer, progress=progress))
+    if interactive:
+        print("\r\033[K", end="", file=sys.stderr, flush=True)
+    if args.json:
+        print(json.dumps(report.as_json(), indent=1))
+    else:
+        print(format_report(report, time.perf_counter() - started))
+    return 0 if report.ok else 1
