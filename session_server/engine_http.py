@@ -9,8 +9,8 @@ request. The client code stays httpx (`build_request`, `send(stream=True)`, `are
 `aiter_bytes`) and maps the same httpx exceptions, so retries and marking down are unchanged.
 
 Timeouts follow the request's httpx timeout: `pool` (waiting for a connection slot), `connect`,
-`read` (between two pieces of the reply). Plain `http://` only; anything else (https, a
-proxy) is what the default httpx transport is for.
+`read` (between two pieces of the reply). Plain `http://` only: an `https://` engine goes
+through httpx's own transport, with the same limits.
 """
 
 from __future__ import annotations
@@ -162,10 +162,17 @@ class LeanTransport(httpx.AsyncBaseTransport):
         self._expiry = keepalive_expiry
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._open: set[_Connection] = set()
+        self._tls = httpx.AsyncHTTPTransport(
+            limits=httpx.Limits(
+                max_connections=max_connections,
+                max_keepalive_connections=max_connections,
+                keepalive_expiry=keepalive_expiry,
+            )
+        )
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         if request.url.scheme != "http":
-            raise httpx.UnsupportedProtocol("the lean engine transport speaks plain http only")
+            return await self._tls.handle_async_request(request)
         timeout = request.extensions.get("timeout", {})
         body = await request.aread()
         try:
@@ -231,3 +238,4 @@ class LeanTransport(httpx.AsyncBaseTransport):
             conn.close()
         self._open.clear()
         self._idle.clear()
+        await self._tls.aclose()
