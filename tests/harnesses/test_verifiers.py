@@ -11,37 +11,24 @@ under CI=true fails) and driven as a subprocess (`verifiers_train_client.py`).""
 from __future__ import annotations
 
 import asyncio
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.api.stack import reply
 from tests.engine_double import EngineDouble
-from tests.harnesses.conftest import HARNESS_CACHE, live_stack
+from tests.harnesses.conftest import live_stack
 from tests.harnesses.test_litellm import run_script
+from tests.integrations.venvs import framework_python
 from tests.real_tokenizers import qwen3_dir
 
 VERSION = "0.4.0"
-VENV = HARNESS_CACHE / f"verifiers-{VERSION}"
 DRIVER = Path(__file__).with_name("verifiers_train_client.py")
 
 
 @pytest.fixture(scope="module")
 def verifiers_python() -> Path:
-    python = VENV / "bin" / "python"
-    marker = VENV / ".installed"
-    if not marker.exists():
-        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True, timeout=300)
-        done = subprocess.run(
-            [str(python), "-m", "pip", "install", "-q", f"verifiers=={VERSION}"],
-            capture_output=True, text=True, timeout=900, check=False,
-        )  # fmt: skip
-        if done.returncode != 0:
-            pytest.skip(f"could not install verifiers {VERSION}: {done.stderr[-500:]}")
-        marker.touch()
-    return python
+    return framework_python(f"verifiers-{VERSION}", (f"verifiers=={VERSION}",))
 
 
 @pytest.mark.parametrize("canonical", [True, False], ids=["canonical", "split"])

@@ -30,6 +30,11 @@ INSTALLED_APART = {
     "torch",
     "datasets",
     "transformers",
+    # verl, AReaL and NeMo Gym, each as its released package, `--no-deps` beside the few
+    # packages their imported modules need (tests/integrations/venvs.py).
+    "verl",
+    "areal",
+    "nemo_gym",
 }
 
 

@@ -45,6 +45,11 @@ FAMILIES: dict[str, tuple[Callable[[], Path], str, bool]] = {
     # R1's renderer writes `<think>\n` after tool results, the official template does not.
     "deepseek-r1": (lambda: offline_counter_dir("deepseek-r1"), "deepseek-r1", True),
     "minimax-m2": (lambda: offline_counter_dir("minimax"), "minimax-m2", False),
+    # No renderer reads these: the generic path parses calls in the syntax it learned from
+    # the template (JSON after `<｜tool▁sep｜>`, JSON in a ```json fence, one element per
+    # parameter: tests/session/test_toolsyntax.py).
+    "deepseek-v3.1": (lambda: offline_counter_dir("deepseek-v3.1"), "generic", True),
+    "deepseek-r1-0528": (lambda: offline_counter_dir("deepseek-r1-0528-qwen3-8b"), "generic", True),
 }
 TOOLS = [{"type": "function", "function": TOOL}]
 TOOL_CALL = next(s for s in SCENARIOS if s.name == "tool_call")
@@ -61,7 +66,10 @@ def test_auto_picks_the_family_renderer_and_says_why(family: tuple[str, ChatMode
     _, renderer, template_bridge = FAMILIES[name]
     assert model.family == renderer, model.path.reason
     assert model.template_bridge is template_bridge, model.path.reason
-    assert f"renderer {renderer!r} parses the template's tool call" in model.path.reason
+    if renderer == "generic":
+        assert "tool calls parsed in the syntax learned from the template" in model.path.reason
+    else:
+        assert f"renderer {renderer!r} parses the template's tool call" in model.path.reason
 
 
 def test_three_turn_tool_loop_on_every_api(family: tuple[str, ChatModel]) -> None:
@@ -148,8 +156,8 @@ def test_openai_sdk_tool_loop_suffix_is_the_templates_own(family: tuple[str, Cha
 # tests/suffix_reference.py's end-of-turn count does not apply: GLM closes a turn by opening
 # the next message (`<|observation|>`, `<|user|>`); harmony re-renders `<|return|>` as
 # `<|end|>`; DeepSeek R1's template concatenates tool-call arguments as text, where the
-# reference passes them as objects.
-TAIL_REFERENCE = {"glm-5", "gpt-oss", "deepseek-r1"}
+# reference passes them as objects; the generic path's DeepSeek templates likewise.
+TAIL_REFERENCE = {"glm-5", "gpt-oss", "deepseek-r1", "generic"}
 
 
 def assert_template_tail(
@@ -300,3 +308,46 @@ def test_templates_without_a_family_fall_back_to_generic_and_say_why(tmp_path: P
         path = choose_path(load_tokenizer(str(folder)))
         assert path.family == GENERIC and path.template_bridge, name
         assert reason in path.reason, path
+
+
+def test_gpt_oss_responses_reasoning_items_are_the_analysis_channel() -> None:
+    """Responses API on gpt-oss: the analysis channel arrives as a reasoning item (its text
+    only, no harmony markers); the harness sends the item back, and the next prompt keeps the
+    sampled analysis tokens in place before the tool result."""
+    model = load_model(str(gptoss_dir()))
+    loop = Loop(model)
+    scenario = next(s for s in SCENARIOS if s.name == "reasoning_then_tool_call")
+    first, why = loop.scripter.completion(scenario)
+    assert first is not None, why
+    assert "<|channel|>analysis<|message|>" in model.decode(first.token_ids)
+    loop.engine.script(first, loop.scripter.plain("Sunny, 21 degrees."))
+    tools = [{"type": "function", **TOOL}]
+
+    async def run() -> list[Any]:
+        client = openai.AsyncOpenAI(
+            api_key="x", base_url="http://t/sessions/oss-responses/v1", max_retries=0,
+            http_client=loop.http(),
+        )  # fmt: skip
+        question = [{"role": "user", "content": check.FIRST_USER}]
+        reply = await client.responses.create(model="m", input=question, tools=tools)
+        items = [item.model_dump(exclude_none=True) for item in reply.output]
+        call = next(i for i in items if i["type"] == "function_call")
+        follow = {"type": "function_call_output", "call_id": call["call_id"]}
+        await client.responses.create(
+            model="m", tools=tools,
+            input=[*question, *items, {**follow, "output": check.TOOL_RESULT}],
+        )  # fmt: skip
+        return items
+
+    items = asyncio.run(run())
+    reasoning = [i for i in items if i["type"] == "reasoning"]
+    assert len(reasoning) == 1
+    text = "".join(part["text"] for part in reasoning[0]["content"])
+    assert text == scenario.reply["reasoning_content"]
+    assert [
+        (i["name"], json.loads(i["arguments"])) for i in items if i["type"] == "function_call"
+    ] == [("get_weather", {"city": "Paris"})]
+    first_prompt, second_prompt = loop.engine.prompts
+    stored = first_prompt + first.token_ids
+    assert second_prompt[: len(stored)] == stored
+    assert f"<|channel|>analysis<|message|>{text}" in model.decode(second_prompt)

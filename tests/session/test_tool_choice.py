@@ -2,7 +2,8 @@
 carries a structured-output constraint in the family's own tool-call syntax (a structural
 tag for Qwen3/Hermes `<tool_call>` blocks, a JSON schema for Llama 3's bare JSON calls), on
 Chat Completions, Responses and Messages; where the syntax is unknown the request is a 400
-with the reason and nothing is stored. The real engine applying it is in
+with the reason and nothing is stored. Syntaxes learned from the template are enforced too
+(tests/session/test_toolsyntax.py). The real engine applying it is in
 `tests/integration/test_tool_choice_vllm.py`."""
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import anthropic
 import openai
 import pytest
 
+from session_server.check import load_model
 from tests.engine_double import EngineDouble, ScriptedCompletion
+from tests.real_tokenizers import unlearnable_dir
 from tests.session.adversarial import TOOLS
 from tests.session.reply_corpus import CORPUS
 from tests.session.test_stream_equivalence import (
@@ -118,8 +121,9 @@ async def test_auto_carries_no_constraint(double: EngineDouble, api: str) -> Non
 async def test_unenforceable_choice_is_a_400_and_stores_nothing(
     double: EngineDouble, api: str
 ) -> None:
-    """The generic splice on Llama 3.2 has no tool-call parser: its syntax is unknown."""
-    model = family("llama3.2-generic")
+    """A template whose call syntax could not be learned (`name(key=value)`, no markers):
+    the request is refused naming the family, never sent unconstrained."""
+    model = load_model(str(unlearnable_dir()))
     required, _ = CHOICES[api]
     error = anthropic.BadRequestError if api == "messages" else openai.BadRequestError
     async with serving(model, double) as http:

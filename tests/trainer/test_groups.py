@@ -95,7 +95,16 @@ def test_bad_finishes_and_groups_are_refused_and_change_nothing(stack: Stack) ->
     with Client(stack.url) as client, httpx.Client(base_url=stack.url) as http:
         sid = member(stack, client, group, 1, "Done.")
         before = http.get(f"/sessions/{sid}/trajectory").json()
-        for body in (b'{"reward": "high"}', b'{"reward": NaN}', b'{"status": "crashed"}'):
+        for body in (
+            b'{"reward": "high"}',
+            b'{"reward": "1.0"}',
+            b'{"reward": true}',
+            b'{"reward": [1]}',
+            b'{"reward": NaN}',
+            b'{"reward": Infinity}',
+            b'{"reward": 1e400}',
+            b'{"status": "crashed"}',
+        ):
             answer = http.post(
                 f"/sessions/{sid}/finish",
                 content=body,

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from tokenkeep.integrations._rows import split
 from tokenkeep.types import Row
 
 
@@ -33,18 +34,11 @@ def rollout_output(rows: Iterable[Row]) -> dict[str, list[Any]]:
         for key in ("prompt_ids", "completion_ids", "logprobs", "env_mask", "reward", "session_id")
     }
     for row in rows:
-        if 1 not in row.loss_mask:
-            raise ValueError(
-                f"session {row.session_id} segment {row.segment} has no sampled token to train on"
-            )
-        first = row.loss_mask.index(1)
-        mask = row.loss_mask[first:]
-        output["prompt_ids"].append(row.token_ids[:first])
-        output["completion_ids"].append(row.token_ids[first:])
-        output["logprobs"].append(
-            [lp if m else 0.0 for m, lp in zip(mask, row.logprobs[first:], strict=True)]
-        )
-        output["env_mask"].append(mask)
+        part = split(row)
+        output["prompt_ids"].append(part.prompt_ids)
+        output["completion_ids"].append(part.response_ids)
+        output["logprobs"].append(part.response_logprobs)
+        output["env_mask"].append(part.response_mask)
         output["reward"].append(row.reward)
         output["session_id"].append(row.session_id)
     return output
