@@ -283,11 +283,17 @@ def rows(
                     "group": meta.group,
                     "group_size": meta.group_size,
                     "finished_at": finish.finished_at if finish else None,
+                    "first_weight_version": first_weight_version(turns),
                     "metadata": meta.metadata,
                     "finish_metadata": finish.metadata if finish else {},
                 }
             )
     return out
+
+
+def first_weight_version(turns: list[TurnRecord]) -> str | None:
+    """The policy version that sampled the rollout's first turn (`turns` in id order)."""
+    return turns[0].weight_versions[0].version if turns and turns[0].weight_versions else None
 
 
 def summary(session_id: str, turns: list[TurnRecord]) -> dict[str, Any]:

@@ -51,7 +51,12 @@ from session_server.conversation import (
     validate,
 )
 from session_server.engines import EngineClient, GenerationDelta
-from session_server.export import stale_cache, turns_by_version, version_number
+from session_server.export import (
+    first_weight_version,
+    stale_cache,
+    turns_by_version,
+    version_number,
+)
 from session_server.images import ImageInput, collapse, find_runs
 from session_server.metrics import Metrics
 from session_server.results import (
@@ -68,6 +73,7 @@ from session_server.service_config import ServiceConfig
 from session_server.splice import BRIDGE_CONTEXT_TOKENS, ChatModel
 from session_server.store.base import (
     IDEMPOTENCY_DONE,
+    Finish,
     KeyTaken,
     LookupResult,
     RecordCache,
@@ -76,6 +82,7 @@ from session_server.store.base import (
     SessionMeta,
     SessionNotFound,
     SessionStore,
+    StoreUnavailable,
     TurnRecord,
     WeightSpan,
 )
@@ -93,6 +100,12 @@ OFF_LOOP_CHARS = 16_384
 OFF_LOOP_MESSAGES = 2_048
 ABORT_WAIT_S = 10.0
 """How long `abort` waits for the cut requests to store their turns and answer."""
+ABORT_POLL_S = 0.25
+"""While this server generates, how often it reads the aborts recorded through other
+servers (`SessionStore.aborts_since`): one store command per poll, whatever the load."""
+CLOCK_SKEW_S = 5.0
+"""Aborts are read back this far before the oldest generation in flight here (servers'
+clocks disagree by much less under NTP)."""
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -149,15 +162,19 @@ class _Flight:
     waiting for the engine at that moment (handing a chunk to its client) stops before it
     waits again; cancellation never lands outside the engine wait."""
 
-    __slots__ = ("aborted", "done", "task", "waiting")
+    __slots__ = ("aborted", "done", "started", "task", "waiting")
 
     def __init__(self) -> None:
         self.task: asyncio.Task[Any] | None = None
         self.waiting = False
         self.aborted = False
         self.done = asyncio.Event()
+        self.started = time.time()
+        """Unix time: an abort recorded at or after it (through any server) cuts it."""
 
     def abort(self) -> None:
+        if self.aborted:  # a second cancel would not be absorbed
+            return
         self.aborted = True
         if self.waiting and self.task is not None:
             self.task.cancel()
@@ -260,8 +277,10 @@ class TurnService:
         # (session, Idempotency-Key) -> set when this process's request holding it ends, so
         # a resend here wakes at once (resends through other replicas poll the store).
         self._claims: dict[tuple[str, str], asyncio.Event] = {}
-        # Session -> its generations in flight in this process (`abort`).
+        # Session -> its generations in flight in this process (`abort`), and the task that
+        # cuts those an abort through another server reaches (runs while any are in flight).
         self._flights: dict[str, set[_Flight]] = {}
+        self._abort_watch: asyncio.Task[None] | None = None
 
     def engine_versions(self) -> dict[str, str | None]:
         """Replica URL -> the policy version it serves (None: not known yet)."""
@@ -279,15 +298,26 @@ class TurnService:
 
     def policy_lag(self, first: TurnRecord | None) -> tuple[str | None, bool]:
         """The version that sampled `first` (a rollout's first turn) and whether the engine
-        has moved more than `max_policy_lag` versions past it (never without a bound or
-        numeric versions)."""
-        version = first.weight_versions[0].version if first and first.weight_versions else None
+        has moved more than `max_policy_lag` versions past it."""
+        version = first_weight_version([first] if first else [])
+        return version, self.lag_exceeded(version)
+
+    def lag_exceeded(self, first_version: str | None) -> bool:
+        """Whether the engine has moved more than `max_policy_lag` versions past the version
+        that sampled a rollout's first turn (never without a bound or numeric versions)."""
         lag = self.config.max_policy_lag
-        start = None if version is None else version_number(version)
+        start = None if first_version is None else version_number(first_version)
         current = self.engine_version()
         if lag is None or start is None or current is None:
-            return version, False
-        return version, current > start + lag
+            return False
+        return current > start + lag
+
+    async def finish(self, session_id: str, finish: Finish) -> None:
+        """Mark the session finished, keeping the version that sampled its first turn
+        (finished listings show the policy lag from it). Raises as `finish_session`."""
+        first = (await self.store.get_turns(session_id, [1]))[0]
+        finish.first_weight_version = first_weight_version([first] if first else [])
+        await self.store.finish_session(session_id, finish)
 
     def _check_policy_lag(self, found: LookupResult) -> None:
         """Refuse, before any engine call, a turn of a rollout that drifted too far
@@ -819,9 +849,12 @@ class TurnService:
     # --- abort --------------------------------------------------------------------------
 
     async def abort(self, session_id: str) -> int:
-        """Cut every generation of the session in flight in this process: each stores its
-        cut turn (finish_reason "abort") and answers its client with `Aborted`. Returns
-        how many were cut, once they have answered (or after ABORT_WAIT_S)."""
+        """Cut every generation of the session in flight: the abort is recorded in the store
+        (other servers sharing it cut theirs within ABORT_POLL_S, `_watch_aborts`), then
+        those in this process are cut: each stores its cut turn (finish_reason "abort") and
+        answers its client with `Aborted`. Returns how many were cut here, once they have
+        answered (or after ABORT_WAIT_S)."""
+        await self.store.record_abort(session_id, time.time())
         flights = list(self._flights.get(session_id, ()))
         for flight in flights:
             flight.abort()
@@ -834,7 +867,29 @@ class TurnService:
     def _take_off(self, session_id: str) -> _Flight:
         flight = _Flight()
         self._flights.setdefault(session_id, set()).add(flight)
+        if self._abort_watch is None or self._abort_watch.done():
+            self._abort_watch = asyncio.create_task(self._watch_aborts())
         return flight
+
+    async def _watch_aborts(self) -> None:
+        """While generations are in flight here: cut those that an abort recorded through
+        any server reaches (started at or before it). Ends when none is left."""
+        while self._flights:
+            await asyncio.sleep(ABORT_POLL_S)
+            if not self._flights:
+                return
+            oldest = min(f.started for flights in self._flights.values() for f in flights)
+            try:
+                aborts = await self.store.aborts_since(oldest - CLOCK_SKEW_S)
+            except StoreUnavailable:  # the store logs it; its own retries failed: poll again
+                continue
+            except Exception:  # a bug: stay loud, but keep watching
+                logger.exception("reading the recorded aborts failed")
+                continue
+            for session_id, at in aborts.items():
+                for flight in list(self._flights.get(session_id, ())):
+                    if flight.started <= at:
+                        flight.abort()
 
     def _land(self, session_id: str, flight: _Flight) -> None:
         flights = self._flights.get(session_id)

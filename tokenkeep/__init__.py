@@ -3,6 +3,7 @@ with rewards, and their token-exact trajectories as objects or NumPy arrays."""
 
 from tokenkeep.client import AsyncClient, Client, TokenkeepError
 from tokenkeep.types import (
+    Aborted,
     Batch,
     Branch,
     Finish,
@@ -16,6 +17,7 @@ from tokenkeep.types import (
 )
 
 __all__ = [
+    "Aborted",
     "AsyncClient",
     "Batch",
     "Branch",

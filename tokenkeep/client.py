@@ -23,9 +23,19 @@ from typing import Any, Literal, TypedDict, Unpack
 
 import httpx
 
-from tokenkeep.types import Batch, Finish, FinishedSession, Row, SessionInfo, Trajectory
+from tokenkeep.types import (
+    Aborted,
+    Batch,
+    Finish,
+    FinishedSession,
+    Row,
+    SessionInfo,
+    Trajectory,
+)
 
 Stale = Literal["mask", "drop"]
+Branches = Literal["all", "last"]
+"""`last`: only the path to a session's most recently stored turn (one leaf per rollout)."""
 
 
 class TokenkeepError(Exception):
@@ -85,15 +95,34 @@ def _finish(
     )
 
 
-def _trajectory(session_id: str, min_weight_version: float | None, stale: Stale) -> _Call:
-    params = _without_none({"min_weight_version": min_weight_version})
+def _abort(session_id: str, finish: bool) -> _Call:
+    return _Call("POST", f"/sessions/{session_id}/abort", json={"finish": finish})
+
+
+def _trajectory(
+    session_id: str, min_weight_version: float | None, stale: Stale, branches: Branches
+) -> _Call:
+    params: dict[str, Any] = {"branches": branches}
     if min_weight_version is not None:
-        params["stale"] = stale
+        params |= {"min_weight_version": min_weight_version, "stale": stale}
     return _Call("GET", f"/sessions/{session_id}/trajectory", params=params)
 
 
-def _list(selector: str | None, since: float | None, until: float | None, limit: int) -> _Call:
-    params = _without_none({"selector": selector, "since": since, "until": until})
+def _list(
+    selector: str | None,
+    since: float | None,
+    until: float | None,
+    limit: int,
+    status: list[str] | None = None,
+) -> _Call:
+    params = _without_none(
+        {
+            "selector": selector,
+            "since": since,
+            "until": until,
+            "status": ",".join(status) if status is not None else None,
+        }
+    )
     return _Call("GET", "/sessions", params={"finished": "true", "limit": limit, **params})
 
 
@@ -110,6 +139,7 @@ class ExportSelection(TypedDict, total=False):
     group: str | None
     status: list[str] | None
     failed_members: str
+    branches: Branches
 
 
 def _export(
@@ -124,6 +154,7 @@ def _export(
     group: str | None = None,
     status: list[str] | None = None,
     failed_members: str = "hold",
+    branches: Branches = "all",
 ) -> _Call:
     body = _without_none(
         {
@@ -136,7 +167,12 @@ def _export(
             "status": status,
         }
     )
-    fixed = {"limit": limit, "stale": stale, "failed_members": failed_members}
+    fixed = {
+        "limit": limit,
+        "stale": stale,
+        "failed_members": failed_members,
+        "branches": branches,
+    }
     return _Call("POST", "/sessions/export", json={**fixed, **body})
 
 
@@ -147,7 +183,13 @@ def _viewer_sessions(limit: int, offset: int, metadata: str | None, state: str |
 
 def _finished(data: dict[str, Any]) -> list[FinishedSession]:
     return [
-        FinishedSession(s["id"], s["metadata"], Finish.from_json(s["finish"]))
+        FinishedSession(
+            s["id"],
+            s["metadata"],
+            Finish.from_json(s["finish"]),
+            s.get("first_weight_version"),
+            bool(s.get("policy_lag_exceeded")),
+        )
         for s in data["sessions"]
     ]
 
@@ -231,13 +273,27 @@ class Client:
         metadata: dict[str, Any] | None = None,
         status: str = "ok",
     ) -> Finish:
-        """Mark the rollout finished (once); it is then listed and exportable."""
+        """Mark the rollout finished (once); it is then listed and exportable. `status`:
+        `ok`, or why it failed (`env_error`, `model_error`, `aborted`)."""
         return Finish.from_json(self._send(_finish(session_id, reward, metadata, status))["finish"])
 
+    def abort(self, session_id: str, *, finish: bool = False) -> Aborted:
+        """Cut the session's generations in flight, on every server sharing its store: each
+        is stored with finish_reason "abort" and its request answered with an `aborted`
+        error. `finish=True` also finishes the session with status `aborted`; otherwise it
+        stays usable. TokenkeepError 404 (unknown session), 409 (finished)."""
+        return Aborted.from_json(self._send(_abort(session_id, finish)))
+
     def trajectory(
-        self, session_id: str, *, min_weight_version: float | None = None, stale: Stale = "mask"
+        self,
+        session_id: str,
+        *,
+        min_weight_version: float | None = None,
+        stale: Stale = "mask",
+        branches: Branches = "all",
     ) -> Trajectory:
-        return Trajectory.from_json(self._send(_trajectory(session_id, min_weight_version, stale)))
+        call = _trajectory(session_id, min_weight_version, stale, branches)
+        return Trajectory.from_json(self._send(call))
 
     def trajectories(
         self,
@@ -245,9 +301,12 @@ class Client:
         *,
         min_weight_version: float | None = None,
         stale: Stale = "mask",
+        branches: Branches = "all",
     ) -> list[Trajectory]:
         return [
-            self.trajectory(s, min_weight_version=min_weight_version, stale=stale)
+            self.trajectory(
+                s, min_weight_version=min_weight_version, stale=stale, branches=branches
+            )
             for s in session_ids
         ]
 
@@ -258,15 +317,19 @@ class Client:
         since: float | None = None,
         until: float | None = None,
         limit: int = 1000,
+        status: list[str] | None = None,
     ) -> list[FinishedSession]:
-        return _finished(self._send(_list(selector, since, until, limit)))
+        """Finished sessions, oldest finish first; `status` keeps those finished with one of
+        these statuses."""
+        return _finished(self._send(_list(selector, since, until, limit, status)))
 
     def export(self, **selection: Unpack[ExportSelection]) -> Iterator[Row]:
         """Rows (one per segment) of finished sessions, streamed as the server sends them:
         named by `session_ids`, or every finished session matching `selector` (metadata
         `key=value,...`), `since`/`until` (finish time) and `group`/`status`, at most `limit`;
         `min_weight_version` with `stale` (`mask` or `drop`) for the staleness filter;
-        `failed_members` (`hold` or `drop`) for groups with failed rollouts. Raises
+        `failed_members` (`hold` or `drop`) for groups with failed rollouts; `branches`
+        `last` for only the path to each session's newest turn (default `all`). Raises
         TokenkeepError before the first row for a batch that cannot be exported (an unknown
         or unfinished session, nothing matching)."""
         call = _export(**selection)
@@ -361,12 +424,19 @@ class AsyncClient:
         data = await self._send(_finish(session_id, reward, metadata, status))
         return Finish.from_json(data["finish"])
 
+    async def abort(self, session_id: str, *, finish: bool = False) -> Aborted:
+        return Aborted.from_json(await self._send(_abort(session_id, finish)))
+
     async def trajectory(
-        self, session_id: str, *, min_weight_version: float | None = None, stale: Stale = "mask"
+        self,
+        session_id: str,
+        *,
+        min_weight_version: float | None = None,
+        stale: Stale = "mask",
+        branches: Branches = "all",
     ) -> Trajectory:
-        return Trajectory.from_json(
-            await self._send(_trajectory(session_id, min_weight_version, stale))
-        )
+        call = _trajectory(session_id, min_weight_version, stale, branches)
+        return Trajectory.from_json(await self._send(call))
 
     async def trajectories(
         self,
@@ -374,11 +444,14 @@ class AsyncClient:
         *,
         min_weight_version: float | None = None,
         stale: Stale = "mask",
+        branches: Branches = "all",
     ) -> list[Trajectory]:
         return list(
             await asyncio.gather(
                 *(
-                    self.trajectory(s, min_weight_version=min_weight_version, stale=stale)
+                    self.trajectory(
+                        s, min_weight_version=min_weight_version, stale=stale, branches=branches
+                    )
                     for s in session_ids
                 )
             )
@@ -391,8 +464,9 @@ class AsyncClient:
         since: float | None = None,
         until: float | None = None,
         limit: int = 1000,
+        status: list[str] | None = None,
     ) -> list[FinishedSession]:
-        return _finished(await self._send(_list(selector, since, until, limit)))
+        return _finished(await self._send(_list(selector, since, until, limit, status)))
 
     async def export(self, **selection: Unpack[ExportSelection]) -> AsyncIterator[Row]:
         """`Client.export`, streamed asynchronously."""

@@ -92,6 +92,26 @@ class FinishedSession:
     id: str
     metadata: dict[str, Any]
     finish: Finish
+    first_weight_version: str | None = None
+    """The policy version that sampled the rollout's first turn."""
+    policy_lag_exceeded: bool = False
+    """The engine serves a version more than the server's `--max-policy-lag` past it."""
+
+
+@dataclass(frozen=True, slots=True)
+class Aborted:
+    """What `POST /sessions/{id}/abort` did: `aborted` generations cut on the server that
+    received it (others sharing its Redis cut theirs within a fraction of a second), and the
+    finish when it was asked to finish the session too."""
+
+    id: str
+    aborted: int
+    finish: Finish | None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Aborted:
+        finish = data.get("finish")
+        return cls(data["id"], data["aborted"], Finish.from_json(finish) if finish else None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -213,6 +233,10 @@ class Row:
     """The finish status: `ok`, `env_error`, `model_error` or `aborted`."""
     group: str | None = None
     """The rollout group the session was created in, if any."""
+    first_weight_version: str | None = None
+    """The policy version that sampled the session's first turn."""
+    policy_lag_exceeded: bool = False
+    """The engine serves a version more than the server's `--max-policy-lag` past it."""
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Row:
@@ -236,6 +260,8 @@ class Row:
             routed_experts=decode_routes(data.get("routed_experts")),
             status=data.get("status"),
             group=data.get("group"),
+            first_weight_version=data.get("first_weight_version"),
+            policy_lag_exceeded=bool(data.get("policy_lag_exceeded")),
         )
 
     def arrays(self) -> SegmentArrays:

@@ -180,7 +180,8 @@ async def list_sessions(
     group: str | None = None,
 ) -> dict[str, Any]:
     """Finished sessions (the only ones listed: a listing of running ones would need an
-    index written on every turn), or with `group`, that group's state and every member."""
+    index written on every turn), each with `first_weight_version` and
+    `policy_lag_exceeded`, or with `group`, that group's state and every member."""
     if group is not None:
         return await _group_state(request, group)
     if not finished:
@@ -207,6 +208,10 @@ async def list_sessions(
                 "metadata": meta.metadata,
                 "group": meta.group,
                 "finish": _finish_json(finish),
+                "first_weight_version": finish.first_weight_version,
+                "policy_lag_exceeded": turn_service(request).lag_exceeded(
+                    finish.first_weight_version
+                ),
             }
             for sid, meta, finish in found
         ]
@@ -247,7 +252,8 @@ async def export_batch(body: ExportBatch, request: Request) -> StreamingResponse
     """Finished sessions as JSONL, one line per segment (`session_server.export.rows`).
     Every session is checked before the first line; a session deleted while the export
     streams ends it with an `{"error": ...}` line."""
-    store = turn_service(request).store
+    service = turn_service(request)
+    store = service.store
     staleness = _staleness(body.min_weight_version, body.stale)
     try:
         if body.group is not None:
@@ -282,6 +288,7 @@ async def export_batch(body: ExportBatch, request: Request) -> StreamingResponse
     async def lines() -> AsyncIterator[bytes]:
         try:
             async for row in batch.rows(store, selected, staleness, body.branches):
+                row["policy_lag_exceeded"] = service.lag_exceeded(row["first_weight_version"])
                 yield json.dumps(row, separators=(",", ":")).encode() + b"\n"
         except SessionNotFound as exc:
             error = {"message": f"session {exc.args[0]!r} was deleted during the export"}
@@ -303,7 +310,7 @@ async def finish_session(
         status=body.status,
     )
     try:
-        await turn_service(request).store.finish_session(session_id, finish)
+        await turn_service(request).finish(session_id, finish)
     except AlreadyFinished as exc:
         raise APIError(409, f"session {session_id!r} is already finished") from exc
     return {"id": session_id, "finish": _finish_json(finish)}
@@ -320,9 +327,11 @@ class AbortSession(BaseModel):
 async def abort_session(
     session_id: str, request: Request, body: AbortSession | None = None
 ) -> dict[str, Any]:
-    """Cut the session's generations in flight on this server: each stores its cut turn
-    (finish_reason "abort") and its request is answered with an `aborted` error. Answers
-    once they have (at most ~10 s)."""
+    """Cut the session's generations in flight, on this server and (within ~0.25 s, the
+    abort is recorded in the shared store) on every other server sharing its Redis: each
+    stores its cut turn (finish_reason "abort") and its request is answered with an
+    `aborted` error. Answers once those on this server have (at most ~10 s); `aborted` counts
+    them."""
     body = body or AbortSession()
     await _existing(request, session_id)
     store = turn_service(request).store
@@ -333,7 +342,7 @@ async def abort_session(
     if body.finish:
         finish = Finish(finished_at=time.time(), metadata={"status": "aborted"}, status="aborted")
         try:
-            await store.finish_session(session_id, finish)
+            await turn_service(request).finish(session_id, finish)
         except AlreadyFinished as exc:
             raise APIError(409, f"session {session_id!r} is already finished") from exc
     return {"id": session_id, "aborted": aborted, "finish": _finish_json(finish)}

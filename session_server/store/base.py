@@ -202,6 +202,9 @@ class Finish:
     metadata: dict[str, Any] = field(default_factory=dict)
     status: str = "ok"
     """`ok`, or why the rollout failed: `env_error`, `model_error`, `aborted` (FINISH_STATUSES)."""
+    first_weight_version: str | None = None
+    """The policy version that sampled the rollout's first turn (None: no turn, or the engine
+    reported none), kept so that finished listings show the policy lag without reading turns."""
 
 
 FinishStatus = Literal["ok", "env_error", "model_error", "aborted"]
@@ -251,6 +254,11 @@ class IdempotencyClaim:
     """done: the first turn of the stored reply."""
     fingerprint: str = ""
     """pending: the body fingerprint of the request holding the key."""
+
+
+ABORTS_KEPT_S = 3600.0
+"""How long a store keeps an abort (`record_abort`): a server that cannot read the store for
+longer than this may miss one."""
 
 
 class StoreUnavailable(RuntimeError):
@@ -348,6 +356,18 @@ class SessionStore(Protocol):
     async def release_idempotency(self, session_id: str, key: str, owner: str) -> None:
         """Drop `owner`'s pending claim of `key` (its request failed and stored nothing);
         a claim of another owner or a stored reply stays. No error if the session is gone."""
+        ...
+
+    async def record_abort(self, session_id: str, at: float) -> None:
+        """Record that the session's generations that started at or before `at` (Unix time)
+        are to be cut, on whichever server runs them: each server generating watches
+        `aborts_since`. Kept ABORTS_KEPT_S, in a shared store replicated like a turn
+        (`wait_replicas`); not checked against the session (the caller did)."""
+        ...
+
+    async def aborts_since(self, since: float) -> dict[str, float]:
+        """Session id -> the time of its latest abort, for aborts recorded at or after
+        `since` (one round trip, whatever the number of sessions)."""
         ...
 
     async def resolve_key(self, session_id: str, key: str) -> int | None:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from session_server.store.base import (
+    ABORTS_KEPT_S,
     IDEMPOTENCY_DONE,
     AlreadyFinished,
     Finish,
@@ -73,6 +74,7 @@ class MemoryStore:
         self._clock = clock
         self._sweep_interval_s = sweep_interval_s
         self._next_sweep = clock() + sweep_interval_s
+        self._aborts: dict[str, float] = {}
 
     def _live(self, session_id: str) -> _Session | None:
         now = self._clock()
@@ -251,6 +253,14 @@ class MemoryStore:
         session = self._live(session_id)
         if session is not None and key in session.claims and session.claims[key][1] == owner:
             del session.claims[key]
+
+    async def record_abort(self, session_id: str, at: float) -> None:
+        self._aborts[session_id] = max(at, self._aborts.get(session_id, at))
+        horizon = time.time() - ABORTS_KEPT_S
+        self._aborts = {sid: t for sid, t in self._aborts.items() if t >= horizon}
+
+    async def aborts_since(self, since: float) -> dict[str, float]:
+        return {sid: at for sid, at in self._aborts.items() if at >= since}
 
     async def all_turns(self, session_id: str) -> list[TurnRecord]:
         session = self._require(session_id)

@@ -14,7 +14,9 @@ A session with images also has `{prefix}:{<sid>}:images` (hash: SHA-256 hex -> i
 written by `images.lua`, which gives it the meta key's remaining time to live on each write.
 A finished session also has `fin` (packed Finish) in its meta hash and is a member of the
 sorted set `{prefix}:finished` (score: finish time), the one key shared by all sessions: it is
-only ever used by single-key commands, so it may live in any Cluster slot.
+only ever used by single-key commands, so it may live in any Cluster slot. Aborts are the
+sorted set `{prefix}:aborts` (session id -> abort time, the last ABORTS_KEPT_S): every server
+generating reads it with one command per poll, whatever the number of sessions.
 Lookups and appends are Lua scripts (EVALSHA), so each is one round trip and atomic.
 """
 
@@ -52,6 +54,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from session_server.store.base import (
+    ABORTS_KEPT_S,
     AlreadyFinished,
     Finish,
     IdempotencyClaim,
@@ -107,6 +110,16 @@ _TRANSIENT = (
     OSError,
     TimeoutError,
 )
+
+
+def _cut_under_us(exc: Exception) -> bool:
+    """A command whose connection redis-py closed while it was being sent: during a Cluster
+    failover, another command's fault makes it re-read the slot map and drop connections,
+    in use or not (redis-py 8.1: seen on turns' EVALSHA+WAIT and HGET, 500s before). Nothing
+    reached Redis on that connection, or a resend is safe (see RedisStore): transient."""
+    return (isinstance(exc, AttributeError) and "writelines" in str(exc)) or (
+        isinstance(exc, RuntimeError) and "handler is closed" in str(exc)
+    )
 
 
 def _script(name: str) -> str:
@@ -203,6 +216,10 @@ class RedisStore:
         wait_timeout_ms: int = 1000,
     ) -> None:
         self._redis = connect(url, timeout_s=timeout_s)
+        # The recorded aborts are polled on connections of their own: the poll goes on while
+        # a Cluster fails over, and redis-py's reconnection after a fault there would cut the
+        # connections of concurrent turns (RuntimeError/AttributeError 500s, seen).
+        self._poll = connect(url, timeout_s=timeout_s)
         self._prefix = key_prefix
         self._retry_s = retry_s
         self._wait_replicas = wait_replicas
@@ -217,7 +234,9 @@ class RedisStore:
         self._claim = self._redis.register_script(_script("claim.lua"))
         self._release = self._redis.register_script(_script("release.lua"))
         self._images = self._redis.register_script(_script("images.lua"))
+        self._abort = self._redis.register_script(_script("abort.lua"))
         self._finished_key = f"{key_prefix}:finished"
+        self._aborts_key = f"{key_prefix}:aborts"
 
     async def _call(self, operation: Callable[[], Awaitable[T]]) -> T:
         """Run `operation`, retrying transient faults with backoff within `retry_s`."""
@@ -226,7 +245,9 @@ class RedisStore:
         while True:
             try:
                 result = await operation()
-            except _TRANSIENT as exc:
+            except Exception as exc:
+                if not isinstance(exc, _TRANSIENT) and not _cut_under_us(exc):
+                    raise
                 self._went_down(exc)
                 if time.monotonic() + delay > deadline:
                     raise StoreUnavailable(f"session store unavailable: {_reason(exc)}") from None
@@ -475,6 +496,17 @@ class RedisStore:
         index_key = self.session_keys(session_id)[2]
         await self._call(lambda: self._write(self._release, [index_key], [key, owner]))
 
+    async def record_abort(self, session_id: str, at: float) -> None:
+        keys, args = [self._aborts_key], [session_id, repr(at), repr(time.time() - ABORTS_KEPT_S)]
+        # Retried safely: the same abort twice is the same record.
+        await self._call(lambda: self._write(self._abort, keys, args))
+
+    async def aborts_since(self, since: float) -> dict[str, float]:
+        found = await self._call(
+            lambda: self._poll.zrangebyscore(self._aborts_key, repr(since), "+inf", withscores=True)
+        )
+        return {member.decode(): float(score) for member, score in found}
+
     async def all_turns(self, session_id: str) -> list[TurnRecord]:
         turns_key = self.session_keys(session_id)[1]
         flat: list[bytes] = await self._read(session_id, turns_key, "HGETALL")
@@ -578,6 +610,7 @@ class RedisStore:
 
     async def close(self) -> None:
         await self._redis.aclose()
+        await self._poll.aclose()
 
 
 def _counters(fields: dict[bytes, bytes]) -> SessionCounters:

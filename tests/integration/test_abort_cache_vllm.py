@@ -9,6 +9,7 @@ import json
 import re
 import threading
 import time
+import uuid
 from typing import Any
 
 import httpx
@@ -152,3 +153,49 @@ def test_continued_turns_report_the_engines_prefix_cache_hits(real_stack: RealSt
         ratio = http.get(f"/sessions/{session['id']}").json()["prefix_cache_hit_ratio"]
         assert ratio is not None and ratio > 0.3
         print(f"\nprefix cache on real vLLM CPU: cached {cached}, hit ratio {ratio}")
+
+
+def test_an_abort_through_another_replica_stops_the_generation_at_the_engine(
+    real_stack: RealStack, redis_server: str
+) -> None:
+    """Two session servers sharing Redis, straight to the real engine: the abort goes to A,
+    the long generation runs on B; B cuts it (the abort is recorded in Redis), answers its
+    client with the aborted error, and vLLM stops generating."""
+    engine = real_stack.engine
+    settings = Settings(
+        engine_urls=[engine.url],
+        model=engine.served_model_name,
+        tokenizer=str(engine.model_dir),
+        context_length=engine.max_model_len,
+        sampling_overrides=LONG,
+        redis_url=redis_server,
+    )
+    sid = f"replicas-{uuid.uuid4().hex[:8]}"
+    body = {"model": "m", "messages": [{"role": "user", "content": "Tell a story."}]}
+    answer: list[httpx.Response] = []
+    with (
+        serving(create_app(settings)) as a,
+        serving(create_app(settings)) as b,
+        httpx.Client(timeout=120) as client,
+    ):
+        sender = threading.Thread(
+            target=lambda: answer.append(
+                client.post(f"{b}/sessions/{sid}/v1/chat/completions", json=body)
+            )
+        )
+        sender.start()
+        deadline = time.monotonic() + 30
+        while not _running(engine.url) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        started = time.monotonic()
+        assert client.post(f"{a}/sessions/{sid}/abort").json()["aborted"] == 0
+        sender.join(30)
+        latency = time.monotonic() - started
+        assert answer[0].status_code == 400
+        assert answer[0].json()["error"]["type"] == "aborted"
+        _until_idle(engine.url)
+        trajectory = client.get(f"{a}/sessions/{sid}/trajectory").json()
+        [turn] = trajectory["branches"][0]["segments"][0]["turns"]
+        assert turn["finish_reason"] == "abort"
+    print(f"\nabort latency across replicas (real vLLM): whole {latency:.3f} s")

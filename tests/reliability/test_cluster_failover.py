@@ -5,8 +5,9 @@ Real processes on loopback: 3 primaries + 3 replicas (`redis-cli --cluster creat
 the slot of live sessions is killed with SIGKILL mid-load; its replica takes over the slots, and
 the killed node comes back 5 s later as the new primary's replica.
 Every turn the servers acknowledged was on a replica first (WAIT on the slot primary's
-connection), so none is lost, and an Idempotency-Key acknowledged before the kill still
-returns the stored reply."""
+connection), so none is lost, an Idempotency-Key acknowledged before the kill still
+returns the stored reply, and an abort acknowledged before the kill is still recorded (the
+keyed session is picked so that its slot and the aborts' share the killed primary)."""
 
 from __future__ import annotations
 
@@ -24,11 +25,15 @@ from tests.reliability.test_faults import _after, _assert_clean, _running
 
 pytestmark = pytest.mark.reliability
 
-KEYED = "failover-keyed"
-
 
 async def test_cluster_primary_killed_under_load(tmp_path: Path) -> None:
     with cluster(tmp_path / "cluster", masters=3, replicas=1) as nodes:
+        aborts_primary = nodes.primary_of("tk:aborts")
+        keyed = next(
+            name
+            for name in (f"failover-keyed-{i}" for i in range(1000))
+            if nodes.primary_of(f"tk:{{{name}}}:meta") == aborts_primary
+        )
         engine = Engine(latency_ms=50)
         flags = ("--redis-wait-replicas", "1", "--redis-retry-s", "10")
         servers = [Server(tmp_path, nodes.url, [engine.url], *flags) for _ in range(2)]
@@ -41,11 +46,14 @@ async def test_cluster_primary_killed_under_load(tmp_path: Path) -> None:
                 "return_token_ids": True,
             }
             headers = {"Idempotency-Key": "before-the-kill"}
-            path = f"/sessions/{KEYED}/v1/chat/completions"
+            path = f"/sessions/{keyed}/v1/chat/completions"
             async with httpx.AsyncClient(timeout=60) as client:
                 first = await client.post(urls[0] + path, json=body, headers=headers)
-            assert first.status_code == 200
-            victim = nodes.primary_of(f"tk:{{{KEYED}}}:meta")
+                aborted_at = time.time()
+                abort = await client.post(f"{urls[0]}/sessions/{keyed}/abort")
+            assert first.status_code == 200 and abort.status_code == 200
+            victim = nodes.primary_of(f"tk:{{{keyed}}}:meta")
+            assert victim == aborts_primary
             killed_at: list[float] = []
 
             def kill() -> None:
@@ -58,7 +66,7 @@ async def test_cluster_primary_killed_under_load(tmp_path: Path) -> None:
 
             load = drive(urls, sessions=30, turns=4, prefix="failover", stream_every=4)
             tally, _ = await asyncio.gather(load, _after(1.0, kill))
-            promoted = nodes.primary_of(f"tk:{{{KEYED}}}:meta")
+            promoted = nodes.primary_of(f"tk:{{{keyed}}}:meta")
             lost, corrupted = await check_store(nodes.url, tally)
             # Resent to the other server, after the failover: the stored reply, not a new turn.
             async with httpx.AsyncClient(timeout=60) as client:
@@ -70,7 +78,7 @@ async def test_cluster_primary_killed_under_load(tmp_path: Path) -> None:
                 lost,
                 corrupted,
                 f"2 servers; {len(unavailable)} answers not 200 after the kill; an "
-                "Idempotency-Key acked before the kill replays after failover",
+                "Idempotency-Key and an abort acked before the kill survive it",
             )
             _assert_clean(tally, lost, corrupted, alive=urls)
             assert promoted != victim
@@ -83,8 +91,9 @@ async def test_cluster_primary_killed_under_load(tmp_path: Path) -> None:
                 == stored["choices"][0]["message"]["content"]
             )
             store = RedisStore(nodes.url)
-            try:  # the resend stored nothing new
-                assert len(await store.all_turns(KEYED)) == 1
+            try:  # the resend stored nothing new; the abort is still recorded
+                assert len(await store.all_turns(keyed)) == 1
+                assert (await store.aborts_since(aborted_at - 5))[keyed] >= aborted_at - 5
             finally:
                 await store.close()
             for server in servers:  # no request failed with a 500 on either server

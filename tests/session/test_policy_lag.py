@@ -13,6 +13,7 @@ from session_server.splice import ChatModel
 from tests.engine_double import EngineDouble, ScriptedCompletion
 from tests.session.adversarial import END, tokens
 from tests.session.conftest import Stack, make_stack
+from tokenkeep import Client
 
 
 @pytest.fixture(params=["memory", "redis"])
@@ -73,3 +74,23 @@ def test_turns_beyond_the_policy_lag_are_refused_without_an_engine_call(
         )
         assert fresh.status_code == 200
         assert client.get("/sessions/lag2").json()["policy_lag_exceeded"] is False
+    # Finished, both rollouts carry the lag in the listing and in the export rows, as the
+    # Python client reads them.
+    with Client(stack.url) as tk:
+        tk.finish("lag", reward=0.0)
+        tk.finish("lag2", reward=1.0)
+        listed = {s.id: s for s in tk.list_finished()}
+        assert (listed["lag"].first_weight_version, listed["lag"].policy_lag_exceeded) == (
+            "1",
+            True,
+        )
+        assert (listed["lag2"].first_weight_version, listed["lag2"].policy_lag_exceeded) == (
+            "3",
+            False,
+        )
+        rows = {row.session_id: row for row in tk.export(session_ids=["lag", "lag2"])}
+        assert (rows["lag"].first_weight_version, rows["lag"].policy_lag_exceeded) == ("1", True)
+        assert (rows["lag2"].first_weight_version, rows["lag2"].policy_lag_exceeded) == (
+            "3",
+            False,
+        )

@@ -3,7 +3,9 @@ port, both stores, the engine double behind it), and the batch export's bad inpu
 
 from __future__ import annotations
 
+import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -174,3 +176,58 @@ async def test_the_async_client(memory_stack: Stack) -> None:
         await client.delete(session.id)
         with pytest.raises(TokenkeepError):
             await client.delete(session.id)
+
+
+def test_retries_aborts_and_statuses_through_the_client(stack: Stack) -> None:
+    """What a rollout driver does around failures: a resent turn, a generation aborted from
+    the driver (its harness gets an error, the session stays usable), a finish that says
+    why, and a trainer taking one leaf per rollout and only the healthy rollouts."""
+    question = [{"role": "user", "content": "The answer?"}]
+    with Client(stack.url) as client, ThreadPoolExecutor(1) as pool:
+        session = client.create_session()
+        harness = stack.openai(session.id)
+        for text in ("Forty.", "Forty-two."):
+            stack.double.script(said(stack, text))
+            harness.chat.completions.create(model="m", messages=question)
+        stack.double.script(said(stack, "Four"))
+        stack.double.latency_s = 3.0
+        try:
+            pending = pool.submit(
+                lambda: harness.chat.completions.create(model="m", messages=question)
+            )
+            while len(stack.double.requests) < 3:
+                time.sleep(0.02)
+            aborted = client.abort(session.id)
+            with pytest.raises(openai.BadRequestError) as cut:
+                pending.result()
+        finally:
+            stack.double.latency_s = 0.0
+        assert (aborted.id, aborted.aborted, aborted.finish) == (session.id, 1, None)
+        assert cut.value.body["type"] == "aborted"  # type: ignore[index]
+        every = client.trajectory(session.id)
+        assert [b.leaf_turn_id for b in every.branches] == [1, 2, 3]
+        [last] = client.trajectory(session.id, branches="last").branches
+        assert last.leaf_turn_id == 3
+        assert last.segments[0].turns[-1]["finish_reason"] == "abort"
+
+        done = client.abort(session.id, finish=True)
+        assert done.aborted == 0 and done.finish is not None and done.finish.status == "aborted"
+        with pytest.raises(TokenkeepError) as finished:
+            client.abort(session.id)
+        assert finished.value.status == 409
+        with pytest.raises(TokenkeepError) as unknown:
+            client.abort("nobody-here")
+        assert unknown.value.status == 404
+
+        healthy = client.create_session()
+        stack.double.script(said(stack, "Yes."))
+        stack.openai(healthy.id).chat.completions.create(model="m", messages=question)
+        client.finish(healthy.id, reward=1.0, status="ok")
+        assert [s.id for s in client.list_finished(status=["aborted"])] == [session.id]
+        assert healthy.id in [s.id for s in client.list_finished(status=["ok", "env_error"])]
+        rows = list(client.export(session_ids=[session.id], branches="last"))
+        assert [(r.leaf_turn_id, r.status) for r in rows] == [(3, "aborted")]
+        assert len(list(client.export(session_ids=[session.id]))) == 3
+        with pytest.raises(TokenkeepError) as bad:
+            client.list_finished(status=["crashed"])
+        assert bad.value.status == 400 and bad.value.param == "status"

@@ -23,17 +23,25 @@ class Split:
 
 
 def split(row: Row) -> Split:
-    """Raises ValueError for a row with no sampled token (nothing to train on)."""
+    """Raises ValueError for a row with no sampled token (nothing to train on), or a sampled
+    token without the rollout's logprob (the importance ratio needs it: none is invented)."""
     if 1 not in row.loss_mask:
         raise ValueError(
             f"session {row.session_id} segment {row.segment} has no sampled token to train on"
         )
     start = row.loss_mask.index(1)
     mask = row.loss_mask[start:]
-    logprobs = [
-        lp if sampled and lp is not None else 0.0
-        for sampled, lp in zip(mask, row.logprobs[start:], strict=True)
-    ]
+    logprobs: list[float] = []
+    for offset, (sampled, lp) in enumerate(zip(mask, row.logprobs[start:], strict=True)):
+        if not sampled:
+            logprobs.append(0.0)
+        elif lp is None:
+            raise ValueError(
+                f"session {row.session_id} segment {row.segment}: sampled token at "
+                f"{start + offset} has no logprob"
+            )
+        else:
+            logprobs.append(lp)
     return Split(row.token_ids[:start], row.token_ids[start:], mask, logprobs, start)
 
 
