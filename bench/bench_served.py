@@ -91,6 +91,10 @@ class Server:
     proc: subprocess.Popen[bytes]
     url: str
     log: Path
+    chat_path: str = "/sessions/{id}/v1/chat/completions"
+
+    def chat(self, session_id: str) -> str:
+        return self.url + self.chat_path.format(id=session_id)
 
     @property
     def pid(self) -> int:
@@ -202,7 +206,7 @@ def new_session(name: str, history: int, texts: Texts) -> Session:
 
 
 def chat_url(server: Server, session: Session) -> str:
-    return f"{server.url}/sessions/{session.id}/v1/chat/completions"
+    return server.chat(session.id)
 
 
 def turn(client: httpx.Client, server: Server, session: Session, texts: Texts) -> dict[str, Any]:
@@ -230,9 +234,16 @@ class PerTurn:
 
 
 def per_turn_cpu(
-    server: Server, texts: Texts, history: int, sessions: int, turns: int, tag: str
+    server: Server,
+    texts: Texts,
+    history: int,
+    sessions: int,
+    turns: int,
+    tag: str,
+    stream: bool = False,
 ) -> PerTurn:
-    """Sequential turns; each one's server CPU from schedstat; the mean from /proc/stat."""
+    """Sequential turns; each one's server CPU from schedstat; the mean from /proc/stat.
+    `stream`: the measured turns are streamed (read to the end inside the bracket)."""
     group = [new_session(f"{tag}-h{history}-{i}", history, texts) for i in range(sessions)]
     result = PerTurn(history, 0)
     with httpx.Client(timeout=120) as client:
@@ -243,19 +254,29 @@ def per_turn_cpu(
         ticks = server.cpu_ticks()
         for k in range(turns):
             session = group[k % sessions]
-            body = session.body(texts)
+            body = session.body(texts, stream=stream)
             payload = json.dumps(body).encode()  # the client's own work, outside the bracket
             before = server.cpu_ns()
-            response = client.post(
+            request = client.build_request(
+                "POST",
                 chat_url(server, session),
                 content=payload,
                 headers={"content-type": "application/json"},
             )
+            response = client.send(request, stream=True)
+            raw = response.read()
             after = server.cpu_ns()
             response.raise_for_status()
-            reply = response.json()
-            session.answered(reply)
-            result.prompt_tokens = reply["usage"]["prompt_tokens"]
+            if stream:
+                lines = [json.loads(line[6:]) for line in raw.splitlines() if line[6:7] == b"{"]
+                text = "".join(
+                    c["delta"].get("content") or "" for line in lines for c in line["choices"]
+                )
+                session.messages.append({"role": "assistant", "content": text})
+            else:
+                reply = json.loads(raw)
+                session.answered(reply)
+                result.prompt_tokens = reply["usage"]["prompt_tokens"]
             result.cpu_ms.append((after - before) / 1e6)
         result.mean_ms = (server.cpu_ticks() - ticks) / TICKS * 1000 / turns
     return result
@@ -374,6 +395,99 @@ async def burst(server: Server, texts: Texts, sessions: int, turns: int) -> Burs
     return result
 
 
+@dataclass
+class ScaleOut:
+    processes: int
+    turns: int
+    wall_s: float
+    server_cpu_s: list[float]
+    redis_cpu_s: float
+    errors: int
+
+    @property
+    def per_cpu_second(self) -> float:
+        return self.turns / sum(self.server_cpu_s)
+
+    @property
+    def redis_ms_per_turn(self) -> float:
+        return self.redis_cpu_s * 1000 / self.turns
+
+
+def _ticks(pid: int) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])
+
+
+async def scale_out(
+    servers: list[Server], redis_pid: int, texts: Texts, sessions: int, turns: int
+) -> ScaleOut:
+    """`sessions` at once, each turn sent to the next server round robin (no affinity: any
+    process continues any session from Redis), 1k-token histories."""
+    group = [new_session(f"scale{len(servers)}-{i}", 1_000, texts) for i in range(sessions)]
+    limits = httpx.Limits(max_connections=sessions, max_keepalive_connections=sessions)
+    errors = 0
+    turn_no = 0
+    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+
+        async def one(session: Session) -> None:
+            nonlocal turn_no
+            server = servers[turn_no % len(servers)]
+            turn_no += 1
+            response = await client.post(chat_url(server, session), json=session.body(texts))
+            response.raise_for_status()
+            session.answered(response.json())
+
+        await asyncio.gather(*(one(s) for s in group))  # first turns: not measured
+        before = [s.cpu_ticks() for s in servers]
+        redis_before = _ticks(redis_pid)
+        started = time.perf_counter()
+
+        async def run(session: Session) -> None:
+            nonlocal errors
+            for _ in range(turns):
+                try:
+                    await one(session)
+                except httpx.HTTPError:
+                    errors += 1
+
+        await asyncio.gather(*(run(s) for s in group))
+        wall = time.perf_counter() - started
+        cpu = [(s.cpu_ticks() - b) / TICKS for s, b in zip(servers, before, strict=True)]
+        redis_cpu = (_ticks(redis_pid) - redis_before) / TICKS
+    return ScaleOut(len(servers), sessions * turns - errors, wall, cpu, redis_cpu, errors)
+
+
+def run_scale_out(engine_url: str, workdir: Path, counts: list[int]) -> str:
+    texts = Texts()
+    rows = []
+    for count in counts:
+        redis_proc, redis_url = start_redis_server(workdir)
+        servers = [start_server(engine_url, redis_url, workdir) for _ in range(count)]
+        try:
+            rows.append(asyncio.run(scale_out(servers, redis_proc.pid, texts, 32, 8)))
+        finally:
+            for server in servers:
+                stop(server.proc)
+            stop_redis_server(redis_proc)
+    lines = [
+        "Scale-out on one Redis (32 sessions at once, 8 turns each, 1k-token histories, each "
+        "turn to the next process round robin):",
+        "",
+        "| processes | turns | wall turns/s | turns per server CPU second (each process) | "
+        "server CPU ms per turn | Redis CPU ms per turn | processes for 10,000 turns/s at one "
+        "core each | errors |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        each = " / ".join(f"{r.turns / r.processes / c:.0f}" for c in r.server_cpu_s)
+        lines.append(
+            f"| {r.processes} | {r.turns} | {r.turns / r.wall_s:.0f} | {each} | "
+            f"{1000 / r.per_cpu_second:.2f} | {r.redis_ms_per_turn:.3f} | "
+            f"{10_000 / r.per_cpu_second:.0f} | {r.errors} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def added_ttft(
     server: Server, engine_url: str, texts: Texts, history: int, samples: int
 ) -> tuple[float, float, float]:
@@ -440,6 +554,10 @@ def run_store(
         out["per_turn"] = [
             per_turn_cpu(server, texts, h, args.sessions, args.turns, store) for h in HISTORIES
         ]
+        out["streamed"] = [
+            per_turn_cpu(server, texts, h, args.sessions, args.turns, store + "-s", stream=True)
+            for h in (1_000, 32_000)
+        ]
         out["throughput"] = {
             h: asyncio.run(concurrent_turns(server, texts, h, args.concurrency, 6, store))
             for h in (1_000, 32_000)
@@ -478,6 +596,21 @@ def report(results: list[dict[str, Any]], label: str, concurrency: int) -> str:
             lines.append(
                 f"| {r['store']} | {p.history // 1000}k | {p.prompt_tokens} | {p50:.2f} | "
                 f"{pct(p.cpu_ms, 0.95):.2f} | {p.mean_ms:.2f} | {ratio} |"
+            )
+    lines += [
+        "",
+        "Streamed turns (`stream: true`, read to the end), server CPU per turn:",
+        "",
+        "| store | history | streamed CPU p50 ms | non-streamed p50 ms | streaming adds ms |",
+        "|---|---|---|---|---|",
+    ]
+    for r in results:
+        for p in r.get("streamed", ()):
+            whole = next(q for q in r["per_turn"] if q.history == p.history)
+            ours, theirs = statistics.median(p.cpu_ms), statistics.median(whole.cpu_ms)
+            lines.append(
+                f"| {r['store']} | {p.history // 1000}k | {ours:.2f} | {theirs:.2f} | "
+                f"{ours - theirs:+.2f} |"
             )
     lines += [
         "",
@@ -537,6 +670,9 @@ def main() -> None:
     parser.add_argument("--ttft", type=int, default=30, help="streamed turns per history (0: skip)")
     parser.add_argument("--burst", type=int, default=4096, help="sessions (0: skip)")
     parser.add_argument("--burst-redis", action="store_true")
+    parser.add_argument(
+        "--scale-out", default="", help="process counts on one Redis, e.g. 1,2,4 (only this)"
+    )
     args = parser.parse_args()
     if args.engine_double:
         _engine_double_main(args.engine_double)
@@ -553,6 +689,13 @@ def main() -> None:
                 raise RuntimeError("engine double did not start")
             time.sleep(0.1)
         engine_url = f"http://127.0.0.1:{port_file.read_text()}"
+        if args.scale_out:
+            text = run_scale_out(engine_url, workdir, [int(n) for n in args.scale_out.split(",")])
+            print(text)
+            if args.out:
+                with args.out.open("a") as fh:
+                    fh.write("\n" + text)
+            return
         for store in args.stores.split(","):
             redis_url = None
             if store == "redis":

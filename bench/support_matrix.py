@@ -172,7 +172,10 @@ BEFORE = (
     "V3.1/V3.2/R1-0528/R1-Distill-Qwen, MiniMax M1/M3, functionary and Mistral calls reached "
     "the harness as text); streamed = non-streamed in 1160 of 1182 streamed runs (GLM 4.6: "
     "one leading newline). **Before issue 23:** 47 pairs from 6 families; token-exact on 44 "
-    "(6 of 1794 runs broke); tool calls parsed only on the Qwen3 and Llama 3 paths."
+    "(6 of 1794 runs broke); tool calls parsed only on the Qwen3 and Llama 3 paths. "
+    "**Third pass** (gpt-oss streams as sampled, reasoning markers learned): totals unchanged; "
+    "MiniMax M3's reasoning now reaches the harness as reasoning, so the naive re-render "
+    "(which drops earlier turns' reasoning there) changes text in 10 runs instead of 6."
 )
 
 # Why tokenkeep still breaks where it does, and what it records (see docs/models.md).

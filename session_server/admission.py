@@ -12,6 +12,7 @@ wait behind turns.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from starlette.requests import Request
@@ -106,6 +107,8 @@ class AdmissionMiddleware:
         if scope["type"] != "http" or not is_generation(scope):
             await self.app(scope, receive, send)
             return
+        # When it arrived: an abort of its session recorded while it waits here cuts it.
+        scope.setdefault("state", {})["arrived"] = time.time()
         try:
             await self.admission.acquire()
         except Rejected as exc:

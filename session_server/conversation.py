@@ -101,6 +101,9 @@ class Conversation:
     API's default)."""
     idempotency: Idempotency | None = None
     """The request's `Idempotency-Key` and a fingerprint of its body (None: no key)."""
+    arrived: float | None = None
+    """Unix time the server received the request, before it waited for an admission slot
+    (None: when the turn starts): an abort of the session recorded since then cuts it."""
 
 
 @dataclass(slots=True, frozen=True)

@@ -42,6 +42,7 @@ import httpx
 import numpy as np
 import orjson
 
+from session_server.engine_http import LeanTransport
 from session_server.images import ImageInput, content_parts
 from session_server.store.base import WeightSpan
 
@@ -268,14 +269,12 @@ class EngineClient:
         # on this process's event loop, and while a burst of requests keeps the loop busy
         # for seconds it expires although the connection was made (a dead engine is found
         # by its health check, not by this timeout).
+        # The requests go through the lean transport (engine_http.py) unless a test or the
+        # in-process check passes its own.
         self._http = httpx.AsyncClient(
             timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s, pool=timeout_s),
-            limits=httpx.Limits(
-                max_connections=max_connections,
-                max_keepalive_connections=max_connections,
-                keepalive_expiry=KEEPALIVE_EXPIRY_S,
-            ),
-            transport=transport,
+            transport=transport
+            or LeanTransport(max_connections=max_connections, keepalive_expiry=KEEPALIVE_EXPIRY_S),
         )
         # Health checks get their own small pool, so a burst that fills the request pool
         # cannot starve them into declaring a busy engine dead.

@@ -40,7 +40,13 @@ from session_server.conversation import (
     canonical_text,
 )
 from session_server.images import PlaceholderRun, expand, vision_spec, vision_tokens
-from session_server.toolsyntax import LEARNING_TOOLS, LearnedToolParser, ToolSyntax, learn
+from session_server.toolsyntax import (
+    LEARNING_TOOLS,
+    LearnedToolParser,
+    ToolSyntax,
+    learn,
+    learn_reasoning,
+)
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +144,15 @@ class ChatModel:
             vocab.get("<think>"),
             vocab.get("</think>"),
         )
+        """The reasoning block's opening and closing tokens."""
+        self.reasoning_markers: tuple[str, str] | None = None
+        """Markers other than `<think>` learned from the template (generic path): a reply's
+        reasoning is the block they open it with."""
+        if (
+            self.family == GENERIC
+            and parses_probe(self.renderer, GENERIC, tokenizer, "reasoning") is False
+        ):
+            self._learn_reasoning()
         self._prompt_tails = self._generation_prompts() if self.family != GENERIC else None
         if not self.template_bridge:
             deviations = self._bridge_deviations()
@@ -180,14 +195,19 @@ class ChatModel:
             )
             return
         # A call turn the template ends with its own terminator (functionary's `<|eom_id|>`):
-        # the model stops there.
+        # the model stops there. Not where the end-of-turn token still follows the call's
+        # closing token (MiniMax M3's `</tool_call>[e~[`): the model samples it too.
         added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
+        turn = self._render_probe([*_PROBE_USER, _PROBE_REPLIES["tool call"][0]], False) or ""
         for token_id, token in added.items():
             text = str(getattr(token, "content", token))
+            at = turn.rfind(text) if text else -1
             if (
                 text
                 and learned.close.rstrip().endswith(text)
                 and token_id not in self.stop_token_ids
+                and at >= 0
+                and not (self._close_marker and self._close_marker in turn[at + len(text) :])
             ):
                 self.stop_token_ids.append(int(token_id))
         # The generic renderer's parse runs its tool parser on the reply after reasoning.
@@ -198,20 +218,61 @@ class ChatModel:
             f"template: {learned.describe()}",
         )
 
+    def _learn_reasoning(self) -> None:
+        """The template's reasoning markers, where the generic `<think>` parser does not read
+        its reasoning (MiniMax M3's `<mm:think>...</mm:think>`): replies are split on them."""
+        learned = learn_reasoning(self._render_probe, self._close_marker)
+        if isinstance(learned, str):
+            return  # no reasoning the template writes back: nothing to parse
+        vocab = self.tokenizer.get_vocab()
+        opener, closer = learned
+        if opener not in vocab or closer not in vocab:
+            self.path = replace(
+                self.path,
+                reason=f"{self.path.reason}; reasoning markers {opener!r} ... {closer!r} are "
+                "not single tokens: reasoning reaches the harness as content",
+            )
+            return
+        self.reasoning_markers = learned
+        self.think_ids = (vocab[opener], vocab[closer])
+        self.path = replace(
+            self.path,
+            reason=f"{self.path.reason}; reasoning parsed between the template's markers "
+            f"{opener} ... {closer}",
+        )
+
+    def _split_reasoning(self, ids: list[int]) -> tuple[str | None, list[int], bool]:
+        """(reasoning, the rest, closed) of a reply in learned markers: a block opening the
+        reply, or the closer alone (the template's empty block); reasoning only there."""
+        start, end = self.think_ids
+        at = 0
+        while at < len(ids) and not self.decode(ids[at : at + 1]).strip():
+            at += 1
+        if at < len(ids) and ids[at] == end:
+            return None, ids[at + 1 :], True
+        if at == len(ids) or ids[at] != start:
+            return None, ids, True
+        close = next((i for i in range(at + 1, len(ids)) if ids[i] == end), None)
+        if close is None:
+            return self.decode(ids[at + 1 :]), [], False
+        return self.decode(ids[at + 1 : close]), ids[close + 1 :], True
+
+    @property
+    def _close_marker(self) -> str | None:
+        close = self.close_token_id
+        return None if close is None else str(self.tokenizer.convert_ids_to_tokens(close))
+
+    def _render_probe(self, messages: list[dict[str, Any]], generation_prompt: bool) -> str | None:
+        return _template_text(
+            self.tokenizer, messages, True, generation_prompt=generation_prompt,
+            tool_specs=LEARNING_TOOLS,
+        )  # fmt: skip
+
     @functools.cached_property
     def tool_syntax(self) -> ToolSyntax | str:
         """How the template writes a tool call (learned from its own rendering), or why that
         cannot be learned."""
-        close = self.close_token_id
-        marker = None if close is None else str(self.tokenizer.convert_ids_to_tokens(close))
-
-        def render(messages: list[dict[str, Any]], generation_prompt: bool) -> str | None:
-            return _template_text(
-                self.tokenizer, messages, True, generation_prompt=generation_prompt,
-                tool_specs=LEARNING_TOOLS,
-            )  # fmt: skip
-
-        return learn(render, marker)
+        return learn(self._render_probe, self._close_marker)
 
     def _takes_images(self, messages: list[Message]) -> bool:
         """Whether `messages` hold images (refused for a text-only model)."""
@@ -484,18 +545,18 @@ class ChatModel:
     @functools.cached_property
     def reply_edges(self) -> ReplyEdges:
         probe = "tokenkeep probe"
-        vocab = self.tokenizer.get_vocab()
-        atomic_think = "<think>" in vocab and "</think>" in vocab
-        if atomic_think:
-            think = [vocab["<think>"], *self.encode(f"\n{probe}\n"), vocab["</think>"]]
+        start, end = self.think_ids
+        atomic_think = start is not None and end is not None
+        if start is not None and end is not None:
+            think = [start, *self.encode(f"\n{probe}\n"), end]
         else:
             think = self.encode(f"<think>\n{probe}\n</think>")
         close = [self.close_token_id] if self.close_token_id is not None else []
         content = self._parse_ids([*self.encode(f"\n\n{probe}"), *close], [], [])
         reasoning = self._parse_ids([*think, *self.encode("x"), *close], [], []).reasoning_content
         lead: tuple[Any, Any] | None = None
-        if atomic_think:
-            block = [vocab["<think>"], *self.encode(probe), vocab["</think>"], *self.encode("x")]
+        if start is not None and end is not None:
+            block = [start, *self.encode(probe), end, *self.encode("x")]
             lead = (
                 self._parse_ids([*block, *close], [], []).reasoning_content,
                 self._parse_ids([*self.encode("\n"), *block, *close], [], []).reasoning_content,
@@ -527,6 +588,20 @@ class ChatModel:
             ids = content_ids + ids[end:]
             parsed = parse_reply(self.renderer, self.tokenizer, self.family, ids, prompt_ids, None)
             parsed.tool_calls = calls
+            return parsed
+        if self.reasoning_markers is not None:
+            end = len(ids)
+            while end and ids[end - 1] in self.stop_token_ids:
+                end -= 1
+            reasoning, rest, closed = self._split_reasoning(ids[:end])
+            # (no prompt: the generic parser would look for `<think>` in it)
+            parsed = parse_reply(
+                self.renderer, self.tokenizer, self.family, rest + ids[end:], [],
+                to_renderer_tools(tools),
+            )  # fmt: skip
+            if reasoning is not None:
+                parsed.reasoning_content = reasoning
+                parsed.reasoning_complete = closed
             return parsed
         return parse_reply(
             self.renderer, self.tokenizer, self.family, ids, prompt_ids, to_renderer_tools(tools)

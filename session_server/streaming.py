@@ -17,13 +17,17 @@ something else:
 - whitespace at the edges of a channel is held until text follows it (parsers strip it; how
   each one does is probed once per model);
 - bytes of a multibyte character split across tokens are held until the character is whole;
-- harmony (gpt-oss) replies are held whole: their channel headers are partly plain text;
+- harmony (gpt-oss) replies switch channel per message block: a block's header (partly plain
+  text, ` to=functions.x`) is held until its `<|message|>`, then its body streams as the
+  parser reads it (analysis -> reasoning, final and unaddressed commentary -> content,
+  a body addressed to a function -> the call, whole at the end);
 - on the generic path, text that may open a call in the syntax learned from the template
   (`session_server/toolsyntax.py`) is held from there on.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -34,6 +38,7 @@ if TYPE_CHECKING:
 _REPLACEMENT = "\ufffd"
 _OPEN = "<think>"
 _CLOSE = "</think>"
+_RECIPIENT = re.compile(r"to=([^\s<]+)")
 
 
 @dataclass(slots=True)
@@ -46,8 +51,11 @@ class ReplyStreamer:
     def __init__(self, model: ChatModel, prompt_ids: list[int] | None = None) -> None:
         vocab = model.tokenizer.get_vocab()
         self._edges = model.reply_edges
-        self._think_start = vocab.get(_OPEN)
-        self._think_end = vocab.get(_CLOSE)
+        self._think_start, self._think_end = model.think_ids
+        # Markers learned from the template (MiniMax M3's `<mm:think>`): the parser reads
+        # only a block that opens the reply, or the closer alone there (an empty block).
+        self._opening_block_only = model.reasoning_markers is not None
+        self._block_seen = False
         self._text_think = self._edges.text_think
         self._tool_start = vocab.get("<tool_call>")
         self._bare_json_calls = self._tool_start is None
@@ -60,25 +68,36 @@ class ReplyStreamer:
         # Templates of reasoning models (QwQ, DeepSeek-R1, GLM) open `<think>` in the
         # generation prompt itself: the reply then starts inside the reasoning block.
         self._channel = "reasoning" if model.opens_reasoning(prompt_ids or []) else "content"
+        self._header: list[int] = []  # harmony: the open block's header so far
         self._pending: list[int] = []  # tokens of the current channel not yet decoded fully
         self._text = {"content": "", "reasoning": ""}
         self._sent = {"content": "", "reasoning": ""}
         self._any_text = False  # a text-level <think> only opens a reply
-        # Harmony (gpt-oss) replies open with a header in text (` to=functions.x`) and
-        # switch channels inside it: only the final parse knows which text is which, so
-        # the reply arrives whole when the choice finishes.
-        self._whole = model.family == "gpt-oss"
+        self._whole = False  # held to the end: the final parse alone says what it is
+        self._harmony = _Harmony(model) if model.family == "gpt-oss" else None
+        if self._harmony is not None:
+            self._channel, self._header = self._harmony.opening(prompt_ids or [])
         # A tool-call syntax learned from the template: text that may open a call (spelled
         # in text, as functionary's `<function=`) is held until the final parse decides.
         self._calls = model.learned_calls
 
     def feed(self, token_ids: list[int]) -> TextDelta:
+        if self._harmony is not None:
+            self._feed_harmony(token_ids)
+        else:
+            self._feed_tokens(token_ids)
         if self._whole:
             return TextDelta()
+        self._decode_pending(final=False)
+        return self._release()
+
+    def _feed_tokens(self, token_ids: list[int]) -> None:
         for token in token_ids:
             if token in self._stops:
                 continue
-            if token == self._think_start and self._channel == "content" and not self._text_think:
+            if self._opening_block_only and token in (self._think_start, self._think_end):
+                self._learned_marker(token)
+            elif token == self._think_start and self._channel == "content" and not self._text_think:
                 self._flush()
                 self._channel = "reasoning"
                 if self._edges.lead_to_reasoning and not self._text["content"].strip():
@@ -93,8 +112,50 @@ class ReplyStreamer:
                 self._channel = "tool"
             elif self._channel != "tool":
                 self._pending.append(token)
-        self._decode_pending(final=False)
-        return self._release()
+
+    def _learned_marker(self, token: int) -> None:
+        if self._channel == "reasoning" and token == self._think_end:
+            self._flush()
+            self._channel = "content"
+            self._block_seen = True
+            return
+        self._flush()
+        if self._block_seen or self._channel != "content" or self._text["content"].strip():
+            self._pending.append(token)  # past the reply's start: text to the parser
+            return
+        self._text["content"] = ""  # whitespace before the block is no content
+        self._channel = "reasoning" if token == self._think_start else "content"
+        self._block_seen = True
+
+    def _feed_harmony(self, token_ids: list[int]) -> None:
+        """Harmony blocks, as `renderers`' gpt-oss parser walks them: `<|start|>` header
+        `<|message|>` body, closed by `<|end|>`/`<|call|>` or the next `<|start|>`; nothing
+        after `<|return|>`."""
+        harmony = self._harmony
+        assert harmony is not None
+        for token in token_ids:
+            if self._whole or self._channel == "done":
+                return
+            if token == harmony.ret:  # the parser reads nothing after it
+                self._flush()
+                self._channel = "done"
+            elif self._channel == "opening" and token != harmony.start:
+                # Neither the prompt nor the reply opens a block: the parser reads the
+                # whole reply as content, at the end.
+                self._whole = True
+            elif self._channel == "header":
+                if token == harmony.message:
+                    self._channel = harmony.channel_of(self._header)
+                else:
+                    self._header.append(token)
+            elif token == harmony.start:
+                self._flush()
+                self._channel, self._header = "header", []
+            elif token in (harmony.end, harmony.call):
+                self._flush()
+                self._channel = "between"
+            elif self._channel in ("content", "reasoning"):
+                self._pending.append(token)
 
     def _flush(self) -> None:
         self._decode_pending(final=True)
@@ -106,7 +167,8 @@ class ReplyStreamer:
         if text.endswith(_REPLACEMENT) and not final:
             return  # the rest of the character is in a later token
         self._pending = []
-        self._text[self._channel] += text
+        if self._channel in self._text:
+            self._text[self._channel] += text
         if self._text_think:
             self._split_text_think()
 
@@ -143,6 +205,8 @@ class ReplyStreamer:
 
     def _releasable_content(self) -> str:
         text = self._text["content"]
+        if self._harmony is not None:
+            return text.strip()  # the parser strips the joined bodies
         if self._text_think and not self._any_text:
             return ""  # could still open a text-level reasoning block
         if self._edges.strips_content:
@@ -158,6 +222,8 @@ class ReplyStreamer:
 
     def _releasable_reasoning(self) -> str:
         text = self._text["reasoning"]
+        if self._harmony is not None:
+            return text.strip()
         if self._edges.strips_reasoning:
             text = text.lstrip()
         if self._channel != "reasoning" and text:
@@ -185,3 +251,43 @@ class ReplyStreamer:
             if final.startswith(sent):
                 setattr(tail, channel, final[len(sent) :])
         return tail
+
+
+class _Harmony:
+    """gpt-oss's harmony markers and how a block's header names its channel."""
+
+    def __init__(self, model: ChatModel) -> None:
+        ids = model.tokenizer.convert_tokens_to_ids
+        self.start, self.message = ids("<|start|>"), ids("<|message|>")
+        self.end, self.call, self.ret = ids("<|end|>"), ids("<|call|>"), ids("<|return|>")
+        self.channel = ids("<|channel|>")
+        self._decode = model.tokenizer.decode
+
+    def opening(self, prompt_ids: list[int]) -> tuple[str, list[int]]:
+        """(channel, header so far) where the reply starts, as `splice.parse_reply` reads
+        it: inside the header the generation prompt opened (the official template's
+        `<|start|>assistant`), in the body of the block the prompt opened whole (the
+        renderer's `...<|channel|>analysis<|message|>`), or before any block ("opening")."""
+        if self.start not in prompt_ids:
+            return "opening", []
+        at = len(prompt_ids) - 1 - prompt_ids[::-1].index(self.start)
+        tail = prompt_ids[at + 1 :]
+        if self.message not in tail:
+            return ("header", tail) if at >= len(prompt_ids) - 4 else ("opening", [])
+        return self.channel_of(tail[: tail.index(self.message)]), []
+
+    def channel_of(self, header: list[int]) -> str:
+        """The stream channel of a block's body, as the parser reads its header."""
+        text = self._decode(header, skip_special_tokens=False)
+        recipient = _RECIPIENT.search(text)
+        if recipient and recipient.group(1).startswith("functions."):
+            return "tool"  # a call: arrives whole from the final parse
+        name = ""
+        if self.channel in header:
+            after = self._decode(
+                header[header.index(self.channel) + 1 :], skip_special_tokens=False
+            ).split()
+            name = after[0] if after else ""
+        if name == "analysis":
+            return "reasoning"
+        return "content" if name in ("final", "commentary") else "between"

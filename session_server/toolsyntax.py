@@ -322,7 +322,10 @@ class _Bodies:
         self.prompt = render(self.user, True)
 
     def body(self, calls: list[dict[str, Any]], content: str = "") -> str | None:
-        reply = {"role": "assistant", "content": content, "tool_calls": calls}
+        body = self.reply_body({"role": "assistant", "content": content, "tool_calls": calls})
+        return None if body is None else body.replace(_ID1, _ID).replace(_ID2, _ID)
+
+    def reply_body(self, reply: dict[str, Any], witness: str = "get_weather") -> str | None:
         full = self.render([*self.user, reply], False)
         if full is None or self.prompt is None:
             return None
@@ -333,13 +336,35 @@ class _Bodies:
             marker = full.rfind("<", max(0, common - 24), common + 1)
             common = marker if marker >= 0 else common
         body = full[common:]
-        at = body.find("get_weather")
+        at = body.find(witness)
         if at < 0:
             return None
         if self.end_marker:
             cut = body.find(self.end_marker, at)
             body = body if cut < 0 else body[:cut]
-        return body.replace(_ID1, _ID).replace(_ID2, _ID)
+        return body
+
+
+_REASONING = "TKREASONINGTK"
+
+
+def learn_reasoning(render: Render, end_marker: str | None) -> tuple[str, str] | str:
+    """(opener, closer): the markers the template writes around an assistant message's
+    reasoning (MiniMax M3: `<mm:think>`, `</mm:think>`; the opener is empty where the
+    generation prompt opens the block), or why there are none."""
+    bodies = _Bodies(render, end_marker)
+    reply = {"role": "assistant", "reasoning_content": _REASONING, "content": _CONTENT}
+    body = bodies.reply_body(reply, _REASONING)
+    if body is None:
+        return "the template does not render reasoning"
+    after = body.index(_REASONING) + len(_REASONING)
+    content = body.find(_CONTENT, after)
+    if content < 0:
+        return "the template writes the reasoning after the content"
+    closer = body[after:content].strip()
+    if not closer:
+        return "the template writes no marker after the reasoning"
+    return body[: body.index(_REASONING)].strip(), closer
 
 
 def learn(render: Render, end_marker: str | None) -> ToolSyntax | str:

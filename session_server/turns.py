@@ -103,6 +103,8 @@ ABORT_WAIT_S = 10.0
 ABORT_POLL_S = 0.25
 """While this server generates, how often it reads the aborts recorded through other
 servers (`SessionStore.aborts_since`): one store command per poll, whatever the load."""
+ABORTS_KEPT = 10_000
+"""Sessions whose latest abort a server remembers (`TurnService._aborts`)."""
 CLOCK_SKEW_S = 5.0
 """Aborts are read back this far before the oldest generation in flight here (servers'
 clocks disagree by much less under NTP)."""
@@ -139,14 +141,21 @@ class Refused(RuntimeError):
 
 
 class Aborted(Refused):
-    """The request's generation was cut by `POST /sessions/{id}/abort` (its cut turn is
-    stored with finish_reason "abort"). 400: an SDK does not resend it by itself."""
+    """The request was cut by `POST /sessions/{id}/abort`: its generation (its cut turn is
+    stored with finish_reason "abort"), or, `sent` False, before it reached the engine
+    (nothing sampled, nothing stored). 400: an SDK does not resend it by itself."""
 
-    def __init__(self, session_id: str) -> None:
+    def __init__(self, session_id: str, *, sent: bool = True) -> None:
+        cut = (
+            "generation aborted by POST /sessions/{id}/abort; the cut turn is stored with "
+            "finish_reason abort"
+            if sent
+            else "request aborted by POST /sessions/{id}/abort before it reached the engine; "
+            "nothing was sampled or stored"
+        )
         super().__init__(
             400,
-            f"generation aborted by POST /sessions/{session_id}/abort; the cut turn is stored "
-            "with finish_reason abort and the session stays usable",
+            cut.format(id=session_id) + " and the session stays usable",
             kind="aborted",
         )
 
@@ -156,21 +165,26 @@ class _Cut(Exception):
 
 
 class _Flight:
-    """One generation of a session in flight here, which `abort` can cut: it cancels the
-    task waiting for the engine (which closes the engine connection: vLLM then aborts the
-    request) and that task resumes as if uncancelled, raising `_Cut`. A flight that is not
-    waiting for the engine at that moment (handing a chunk to its client) stops before it
-    waits again; cancellation never lands outside the engine wait."""
+    """One request of a session in flight here, from its planning on, which `abort` can
+    cut. (A request waiting for an admission slot, or for the first request with its
+    Idempotency-Key, is not known yet: it checks the aborts recorded since it arrived once
+    it is.) Cut before its engine call, it is answered at once (`TurnService._unsent`);
+    while it waits for the engine, `abort` cancels the task waiting for the engine (which
+    closes the engine connection: vLLM then aborts the request) and that task resumes as if
+    uncancelled, raising `_Cut`. A flight that is not waiting for the engine at that moment
+    (handing a chunk to its client) stops before it waits again; cancellation never lands
+    outside the engine wait."""
 
     __slots__ = ("aborted", "done", "started", "task", "waiting")
 
-    def __init__(self) -> None:
+    def __init__(self, started: float) -> None:
         self.task: asyncio.Task[Any] | None = None
         self.waiting = False
         self.aborted = False
         self.done = asyncio.Event()
-        self.started = time.time()
-        """Unix time: an abort recorded at or after it (through any server) cuts it."""
+        self.started = started
+        """Unix time the request arrived: an abort recorded at or after it (through any
+        server) cuts it."""
 
     def abort(self) -> None:
         if self.aborted:  # a second cancel would not be absorbed
@@ -281,6 +295,9 @@ class TurnService:
         # cuts those an abort through another server reaches (runs while any are in flight).
         self._flights: dict[str, set[_Flight]] = {}
         self._abort_watch: asyncio.Task[None] | None = None
+        # Session -> its latest abort known here (recorded here, or read by `_watch_aborts`),
+        # for requests that arrived before it but reach this service after it.
+        self._aborts: dict[str, float] = {}
 
     def engine_versions(self) -> dict[str, str | None]:
         """Replica URL -> the policy version it serves (None: not known yet)."""
@@ -817,11 +834,14 @@ class TurnService:
         claimed = await self._claim(session_id, conversation)
         if isinstance(claimed, TurnResult):
             return claimed
+        flight = self._take_off(session_id, conversation.arrived)
         try:
-            result = await self._complete(await plan(), conversation)
+            result = await self._complete(await plan(), conversation, flight)
         except BaseException:
             await self._release(session_id, conversation, claimed)
             raise
+        finally:
+            self._land(session_id, flight)
         self._settled(session_id, conversation)
         return result
 
@@ -834,13 +854,15 @@ class TurnService:
                 yield event
             return
         stored = False
+        flight = self._take_off(session_id, conversation.arrived)
         try:
             planned = await plan()
-            async with contextlib.aclosing(self._stream(planned, conversation)) as events:
+            async with contextlib.aclosing(self._stream(planned, conversation, flight)) as events:
                 async for event in events:
                     stored = stored or isinstance(event, StreamFinished)
                     yield event
         finally:
+            self._land(session_id, flight)
             if stored:
                 self._settled(session_id, conversation)
             else:
@@ -854,7 +876,9 @@ class TurnService:
         those in this process are cut: each stores its cut turn (finish_reason "abort") and
         answers its client with `Aborted`. Returns how many were cut here, once they have
         answered (or after ABORT_WAIT_S)."""
-        await self.store.record_abort(session_id, time.time())
+        at = time.time()
+        await self.store.record_abort(session_id, at)
+        self._known_abort(session_id, at)
         flights = list(self._flights.get(session_id, ()))
         for flight in flights:
             flight.abort()
@@ -864,8 +888,11 @@ class TurnService:
             )
         return len(flights)
 
-    def _take_off(self, session_id: str) -> _Flight:
-        flight = _Flight()
+    def _take_off(self, session_id: str, arrived: float | None) -> _Flight:
+        """Register a request as in flight; already aborted when an abort known here was
+        recorded at or after it arrived (it waited for an admission slot meanwhile)."""
+        flight = _Flight(time.time() if arrived is None else arrived)
+        flight.aborted = self._aborts.get(session_id, -1.0) >= flight.started
         self._flights.setdefault(session_id, set()).add(flight)
         if self._abort_watch is None or self._abort_watch.done():
             self._abort_watch = asyncio.create_task(self._watch_aborts())
@@ -887,11 +914,27 @@ class TurnService:
                 logger.exception("reading the recorded aborts failed")
                 continue
             for session_id, at in aborts.items():
+                self._known_abort(session_id, at)
                 for flight in list(self._flights.get(session_id, ())):
                     if flight.started <= at:
                         flight.abort()
 
+    def _known_abort(self, session_id: str, at: float) -> None:
+        if at > self._aborts.get(session_id, -1.0):
+            self._aborts[session_id] = at
+        if len(self._aborts) > ABORTS_KEPT:  # the oldest are far older than any request
+            for old in sorted(self._aborts, key=self._aborts.__getitem__)[: ABORTS_KEPT // 2]:
+                del self._aborts[old]
+
+    def _unsent(self, session_id: str, flight: _Flight) -> None:
+        """Before the engine call: a request aborted while it waited for a slot or was being
+        planned is answered now, with no engine call and nothing stored (nothing sampled)."""
+        if flight.aborted:
+            self.metrics.aborted_requests.inc()
+            raise Aborted(session_id, sent=False)
+
     def _land(self, session_id: str, flight: _Flight) -> None:
+        """Past the engine call (or failed before it): an abort no longer cuts it."""
         flights = self._flights.get(session_id)
         if flights is not None:
             flights.discard(flight)
@@ -1047,11 +1090,13 @@ class TurnService:
             return_token_ids=return_token_ids(conversation, meta),
         )
 
-    async def _complete(self, plan: Plan, conversation: Conversation) -> TurnResult:
+    async def _complete(
+        self, plan: Plan, conversation: Conversation, flight: _Flight
+    ) -> TurnResult:
         session_id = plan.session.session_id
         sent, images = self._engine_prompt(plan, conversation)
         started = time.perf_counter()
-        flight = self._take_off(session_id)
+        self._unsent(session_id, flight)
         plan.prompt_json = plan.prompt_json or orjson.dumps(plan.prompt_ids)
         try:
             generation = await flight.run(
@@ -1101,7 +1146,9 @@ class TurnService:
             cached_tokens=generation.cached_tokens,
         )
 
-    async def _stream(self, plan: Plan, conversation: Conversation) -> AsyncIterator[StreamEvent]:
+    async def _stream(
+        self, plan: Plan, conversation: Conversation, flight: _Flight
+    ) -> AsyncIterator[StreamEvent]:
         session_id = plan.session.session_id
         response_id = uuid.uuid4().hex
         started = time.perf_counter()
@@ -1114,6 +1161,7 @@ class TurnService:
         cached: int | None = None
         announced = False
         sent, images = self._engine_prompt(plan, conversation)
+        self._unsent(session_id, flight)
         plan.prompt_json = plan.prompt_json or orjson.dumps(plan.prompt_ids)
         engine_stream = self.engine.stream(
             session_id,
@@ -1123,7 +1171,6 @@ class TurnService:
             images=images,
             prompt_json=None if images else plan.prompt_json,
         )
-        flight = self._take_off(session_id)
         try:
             async with contextlib.aclosing(engine_stream) as events:
                 async for event in flight.events(events):

@@ -153,6 +153,8 @@ class RecordedRequest:
     path: str
     body: dict[str, Any]
     headers: dict[str, str]
+    client_port: int = 0
+    """The client's source port: one per connection (keep-alive reuse shows as one port)."""
 
     @property
     def prompt_ids(self) -> list[int]:
@@ -375,7 +377,10 @@ class EngineDouble:
                 status_code=400,
             )
         with self._lock:
-            self.requests.append(RecordedRequest(request.url.path, body, dict(request.headers)))
+            port = request.client.port if request.client else 0
+            self.requests.append(
+                RecordedRequest(request.url.path, body, dict(request.headers), port)
+            )
             fault = self._faults.popleft() if self._faults else None
         if isinstance(fault, HttpFault):
             return None, JSONResponse(

@@ -330,8 +330,10 @@ async def abort_session(
     """Cut the session's generations in flight, on this server and (within ~0.25 s, the
     abort is recorded in the shared store) on every other server sharing its Redis: each
     stores its cut turn (finish_reason "abort") and its request is answered with an
-    `aborted` error. Answers once those on this server have (at most ~10 s); `aborted` counts
-    them."""
+    `aborted` error. A request that arrived before the abort but had not reached the engine
+    (queued for a slot, being planned) gets the same error, no engine call, no turn stored.
+    Answers once those on this server have (at most ~10 s); `aborted` counts them (a request
+    still queued for a slot excepted)."""
     body = body or AbortSession()
     await _existing(request, session_id)
     store = turn_service(request).store

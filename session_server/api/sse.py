@@ -132,6 +132,7 @@ async def serve_turn(
     request.state.session_id = session_id
     request.state.api = api
     conversation.idempotency = await idempotency(request)
+    conversation.arrived = request.scope.get("state", {}).get("arrived")
     if not streaming:
         result = await complete()
         request.state.turn_kind = result.kind

@@ -286,6 +286,34 @@ async def test_unreachable_replica_is_marked_down_and_comes_back(
     assert (await client.generate(session, PROMPT, SAMPLING)).engine_url == first.url
 
 
+async def test_turns_reuse_a_kept_connection_and_replace_one_the_engine_closed(
+    engine_double: EngineDouble, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The engine connection is kept between turns (one write per request, no new connect),
+    and when the engine closes it while idle (a restart, its keep-alive timeout) the next
+    turn opens a new one: answered on the first try, the replica never marked down."""
+    engine_double.default = lambda prompt, sampling: ScriptedCompletion([4, IM_END])
+    async with EngineClient([engine_double.url], model=MODEL, health_interval_s=60) as client:
+        for _ in range(3):
+            assert (await client.generate("kept", PROMPT, SAMPLING)).choices[0].token_ids == [
+                4,
+                IM_END,
+            ]
+        ports = {request.client_port for request in engine_double.requests}
+        assert len(ports) == 1, "each turn opened a new engine connection"
+
+        engine_double.stop()
+        engine_double.start()
+        await asyncio.sleep(0.2)  # the closed connection's end reaches this event loop
+        engine_double.requests.clear()
+        generation = await client.generate("kept", PROMPT, SAMPLING)
+        assert generation.choices[0].token_ids == [4, IM_END]
+        assert len(engine_double.requests) == 1
+        assert "failed before any token" not in caplog.text, "the turn was retried"
+        [replica] = client.replicas
+        assert replica.healthy and replica.failures == 0
+
+
 async def test_health_checks_steer_traffic_and_readiness(
     engine_doubles: list[EngineDouble], client: EngineClient
 ) -> None:

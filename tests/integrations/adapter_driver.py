@@ -3,7 +3,11 @@ tokenkeep with `tokenkeep.Client`, hand it to the framework's own types through
 `tokenkeep.integrations.<framework>`, and print one JSON line of what those types hold (what
 the framework trains on).
 
-    adapter_driver.py verl|areal|nemo_gym SERVER_URL GROUP
+    adapter_driver.py verl|areal|nemo_gym|skyrl|slime SERVER_URL GROUP
+
+skyrl and slime are not run by the test suite (SkyRL needs a multi-GB CUDA torch build on
+Python 3.12, slime is not on PyPI): `bench/adapters_recorded.py` runs them in venvs built by
+hand and records the result in bench/results/adapters.md.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import asyncio
 import json
 import logging
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
@@ -83,11 +88,89 @@ def nemo_gym(client: Client, rows: list[Row]) -> dict[str, Any]:
     return {"items": items}
 
 
+def skyrl(client: Client, rows: list[Row]) -> dict[str, Any]:
+    """SkyRL's `GeneratorOutput` filled by the adapter, checked against the TypedDict's own
+    keys, then turned into training tensors by SkyRL's own
+    `convert_prompts_responses_to_batch_tensors` (what its trainer does with it)."""
+    import typing
+
+    from skyrl.train.dataset.preprocess import convert_prompts_responses_to_batch_tensors
+    from skyrl.train.generators.base import GeneratorOutput, TrajectoryID
+
+    from tokenkeep.integrations.skyrl import generator_output
+
+    ids = [TrajectoryID(instance_id=row.group or "", repetition_id=n) for n, row in enumerate(rows)]
+    output: GeneratorOutput = generator_output(rows, trajectory_ids=ids)  # type: ignore[assignment]
+    declared = set(typing.get_type_hints(GeneratorOutput))
+    assert set(output) == declared, (sorted(set(output) - declared), sorted(declared - set(output)))
+    # SkyRL's trainer puts a trajectory's reward on its last response token before batching.
+    rewards = [
+        [0.0] * (len(r) - 1) + [w]
+        for r, w in zip(output["response_ids"], output["rewards"], strict=True)
+    ]
+    sequences, attention, response_mask, token_rewards, loss_masks, logprobs, *_ = (
+        convert_prompts_responses_to_batch_tensors(
+            0, output["prompt_token_ids"], output["response_ids"], rewards, output["loss_masks"],
+            output["rollout_logprobs"],
+        )
+    )  # fmt: skip
+    tensors = {
+        "sequences": sequences, "attention_mask": attention, "response_mask": response_mask,
+        "rewards": token_rewards, "loss_masks": loss_masks, "rollout_logprobs": logprobs,
+    }  # fmt: skip
+    return {
+        "output": {k: output[k] for k in ("prompt_token_ids", "response_ids", "loss_masks",
+                                          "rollout_logprobs", "rewards")},
+        "trajectory_ids": [t.to_string() for t in output["trajectory_ids"] or []],
+        "tensors": {key: value.tolist() for key, value in tensors.items()},
+    }  # fmt: skip
+
+
+def slime(client: Client, rows: list[Row]) -> dict[str, Any]:
+    """slime's own `Sample` filled by the adapter, checked by slime's own length validation
+    and round-tripped through its `to_dict`/`from_dict` (how slime ships samples)."""
+    import dataclasses
+
+    from slime.utils.types import Sample
+
+    from tokenkeep.integrations.slime import fill_sample
+
+    samples = []
+    for row in rows:
+        sample = fill_sample(Sample(), row)
+        sample._validate_response_metadata_lengths()
+        again = Sample.from_dict(sample.to_dict())
+        assert again == sample
+        samples.append({
+            "tokens": again.tokens, "response_length": again.response_length,
+            "loss_mask": again.loss_mask, "rollout_log_probs": again.rollout_log_probs,
+            "weight_versions": again.weight_versions, "reward": again.reward,
+            "status": again.status.name, "session_id": again.session_id,
+            "effective_response_length": again.effective_response_length,
+        })  # fmt: skip
+    fields = {f.name: type_name(f.type) for f in dataclasses.fields(Sample)}
+    return {
+        "samples": samples,
+        "fields": fields,
+        "status_members": [m.name for m in Sample.Status],
+    }
+
+
+DRIVERS = {"verl": verl, "areal": areal, "nemo_gym": nemo_gym, "skyrl": skyrl, "slime": slime}
+
+
+def type_name(declared: Any) -> str:
+    """A dataclass field's type as its source spells it (`int`, `list[int] | None`), whether
+    the module postponed its annotations or not."""
+    plain = isinstance(declared, type) and not isinstance(declared, types.GenericAlias)
+    return (declared.__name__ if plain else str(declared)).replace("typing.", "")
+
+
 def main() -> None:
     framework, url, group = sys.argv[1:]
     with Client(url) as client:
         rows = list(client.export(group=group))
-        result = {"verl": verl, "areal": areal, "nemo_gym": nemo_gym}[framework](client, rows)
+        result = DRIVERS[framework](client, rows)
     print(json.dumps(result | {"session_ids": [row.session_id for row in rows]}))
 
 

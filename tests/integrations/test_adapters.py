@@ -9,9 +9,10 @@ the engine was sent.
 verl 0.9.1 and AReaL 1.0.4 share one virtualenv (torch 2.13.0 CPU, the file on disk), NeMo
 Gym 0.4.0 has one on Python 3.12 (it requires >= 3.12); each framework with `--no-deps` beside
 what its imported modules need (tests/integrations/venvs.py). SkyRL (>= 3.12 and torch at
-import: no CPU torch for 3.12 here) and slime (not on PyPI) are checked in this process
-against the fields read from their sources; slime's `Sample` is a stand-in
-(slime_sample.py)."""
+import: PyPI has only the multi-GB CUDA torch for 3.12) and slime (not on PyPI) are checked in
+this process against the fields read from their sources; slime's `Sample` is a stand-in
+(slime_sample.py). Both were run against their own code by bench/adapters_recorded.py
+(bench/results/adapters.md), which also checks the stand-in against slime's class."""
 
 from __future__ import annotations
 
@@ -74,10 +75,10 @@ class Rollouts:
 @pytest.fixture(scope="module")
 def rollouts(double: EngineDouble) -> Iterator[Rollouts]:
     with live_stack(double, []) as stack:
-        yield asyncio.run(_run_group(stack))
+        yield asyncio.run(run_group(stack))
 
 
-async def _run_group(stack: Stack) -> Rollouts:
+async def run_group(stack: Stack) -> Rollouts:
     stack.script(
         tool_call("get_weather", '{"city": "Paris"}', think="Check it."),
         reply("Paris", " is sunny."),

