@@ -339,7 +339,7 @@ def test_multi_turn_screenshots_stay_token_exact(
 def test_check_passes_on_the_qwen3_vl_template(vl_tokenizer_dir: Path) -> None:
     """`tokenkeep check` (text scenarios: the check drives no images yet) on the VL template:
     every run token-exact where a naive re-render breaks each."""
-    from tests.test_check import assert_contiguous, run_cli
+    from tests.check.test_check import assert_contiguous, run_cli
 
     family = ChatModel(load_tokenizer(str(vl_tokenizer_dir))).family
     report = assert_contiguous(run_cli("--tokenizer", str(vl_tokenizer_dir), "--json"), family)
