@@ -35,6 +35,11 @@ INSTALLED_APART = {
     "verl",
     "areal",
     "nemo_gym",
+    # SkyRL: only bench/adapters_recorded.py runs its driver (Python 3.12 + CUDA torch, a
+    # recorded run, not CI: bench/results/adapters.md).
+    "skyrl",
+    # slime: not on PyPI; its driver runs against a fetched source tree (recorded run only).
+    "slime",
 }
 
 
