@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import fcntl
 import json
 import os
@@ -578,6 +579,18 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def _die_with_parent() -> None:
+    """In the engine's child before exec: SIGTERM it when the process that started it dies.
+
+    Whoever starts a local engine owns it (demo, train, a test fixture); one killed before it
+    could call `stop()` (a timeout, Ctrl-C twice, SIGKILL) otherwise leaves a vLLM server
+    holding a core and GiBs of memory with parent 1. vLLM's engine core exits with its server.
+    """
+    if sys.platform.startswith("linux"):
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 @dataclass
 class LocalEngine:
     """A running vLLM server process; `stop()` ends it and its engine-core child."""
@@ -718,6 +731,7 @@ def start(
             cwd=engine_dir(),
             env=_engine_env(kv_cache_gib, threads, dev_mode),
             start_new_session=True,
+            preexec_fn=_die_with_parent,
         )
     finally:
         log_file.close()

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -46,3 +50,52 @@ def test_engine_that_dies_at_start_up_raises_with_its_log(tmp_path: Path) -> Non
     with pytest.raises(localengine.LocalEngineError, match="exited with") as raised:
         localengine.start(tmp_path, progress=lambda _line: None, timeout_s=300)
     assert "last log lines" in str(raised.value)
+
+
+@pytest.mark.vllm
+def test_engine_ends_when_the_process_that_started_it_is_killed(tmp_path: Path) -> None:
+    """A fixture or demo killed before it could stop its engine (SIGKILL: no teardown runs)
+    leaves no vLLM server behind with parent 1."""
+    if os.environ.get("TOKENKEEP_SKIP_VLLM") == "1":
+        pytest.skip("TOKENKEEP_SKIP_VLLM=1")
+    pid_file = tmp_path / "engine.pid"
+    owner = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import sys, time\n"
+            "from pathlib import Path\n"
+            "from session_server.devtools import localengine\n"
+            "engine = localengine.start(progress=lambda _line: None)\n"
+            "Path(sys.argv[1]).write_text(str(engine.process.pid))\n"
+            "time.sleep(600)\n",
+            str(pid_file),
+        ]
+    )
+    try:
+        deadline = time.monotonic() + 600
+        while not pid_file.exists():
+            assert owner.poll() is None, "the engine's owner exited before the engine was up"
+            assert time.monotonic() < deadline, "the engine did not start"
+            time.sleep(1)
+        engine_pid = int(pid_file.read_text())
+        assert _alive(engine_pid)
+    finally:
+        owner.kill()
+        owner.wait()
+    deadline = time.monotonic() + 60
+    while _alive(engine_pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    alive = _alive(engine_pid)
+    if alive:
+        os.killpg(engine_pid, signal.SIGKILL)
+    assert not alive, "the engine outlived the process that started it"
+
+
+def _alive(pid: int) -> bool:
+    """True while the process runs (a zombie awaiting its reaper counts as ended)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
