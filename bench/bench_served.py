@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -282,13 +283,30 @@ def per_turn_cpu(
     return result
 
 
+async def _measured_turns(
+    group: list[Session], turns: int, one: Callable[[Session], Awaitable[None]]
+) -> int:
+    """`turns` more turns of every session in `group` at once; the number that failed."""
+    errors = 0
+
+    async def run(session: Session) -> None:
+        nonlocal errors
+        for _ in range(turns):
+            try:
+                await one(session)
+            except httpx.HTTPError:
+                errors += 1
+
+    await asyncio.gather(*(run(s) for s in group))
+    return errors
+
+
 async def concurrent_turns(
     server: Server, texts: Texts, history: int, sessions: int, turns: int, tag: str
 ) -> tuple[float, float, int]:
     """`sessions` at once, `turns` each: (turns per server CPU second, wall turns/s, errors)."""
     group = [new_session(f"{tag}-c{history}-{i}", history, texts) for i in range(sessions)]
     limits = httpx.Limits(max_connections=sessions, max_keepalive_connections=sessions)
-    errors = 0
     async with httpx.AsyncClient(timeout=300, limits=limits) as client:
 
         async def one(session: Session) -> None:
@@ -300,15 +318,7 @@ async def concurrent_turns(
         ticks = server.cpu_ticks()
         started = time.perf_counter()
 
-        async def run(session: Session) -> None:
-            nonlocal errors
-            for _ in range(turns):
-                try:
-                    await one(session)
-                except httpx.HTTPError:
-                    errors += 1
-
-        await asyncio.gather(*(run(s) for s in group))
+        errors = await _measured_turns(group, turns, one)
         wall = time.perf_counter() - started
         cpu = (server.cpu_ticks() - ticks) / TICKS
     done = sessions * turns - errors
@@ -425,7 +435,6 @@ async def scale_out(
     process continues any session from Redis), 1k-token histories."""
     group = [new_session(f"scale{len(servers)}-{i}", 1_000, texts) for i in range(sessions)]
     limits = httpx.Limits(max_connections=sessions, max_keepalive_connections=sessions)
-    errors = 0
     turn_no = 0
     async with httpx.AsyncClient(timeout=300, limits=limits) as client:
 
@@ -442,15 +451,7 @@ async def scale_out(
         redis_before = _ticks(redis_pid)
         started = time.perf_counter()
 
-        async def run(session: Session) -> None:
-            nonlocal errors
-            for _ in range(turns):
-                try:
-                    await one(session)
-                except httpx.HTTPError:
-                    errors += 1
-
-        await asyncio.gather(*(run(s) for s in group))
+        errors = await _measured_turns(group, turns, one)
         wall = time.perf_counter() - started
         cpu = [(s.cpu_ticks() - b) / TICKS for s, b in zip(servers, before, strict=True)]
         redis_cpu = (_ticks(redis_pid) - redis_before) / TICKS
