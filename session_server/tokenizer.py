@@ -16,6 +16,12 @@ from typing import Any
 # text (a first turn's big message) tokenized in a worker thread then leaves the event loop
 # free. Short texts keep `encode`, which costs less per call.
 GIL_FREE_CHARS = 8_192
+# The renderers encode the same few short strings every turn (role headers, "\n", reasoning
+# markers) and decode single tokens to test for whitespace: each is a call into the Rust
+# backend (~20 us here) for an answer that never changes. Texts up to this length are
+# remembered, up to MEMO_ENTRIES of them (a fixed bound: harness text is not kept forever).
+MEMO_CHARS = 64
+MEMO_ENTRIES = 4_096
 
 
 class FastTokenizer:
@@ -41,10 +47,19 @@ class FastTokenizer:
             if getattr(token, "special", False)
         }
         self._pieces: dict[int, str] = {}
+        self._short: dict[tuple[str, bool], tuple[int, ...]] = {}
 
     def encode(
         self, text: str, *args: Any, add_special_tokens: bool = False, **kwargs: Any
     ) -> list[int]:
+        if len(text) <= MEMO_CHARS:
+            key = (text, add_special_tokens)
+            ids = self._short.get(key)
+            if ids is None:
+                ids = tuple(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+                if len(self._short) < MEMO_ENTRIES:
+                    self._short[key] = ids
+            return list(ids)  # the caller's own list: renderers extend and slice them
         if len(text) > GIL_FREE_CHARS:
             return self._backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
@@ -52,7 +67,10 @@ class FastTokenizer:
     def decode(
         self, token_ids: Any, *args: Any, skip_special_tokens: bool = False, **kwargs: Any
     ) -> str:
-        return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+        ids = list(token_ids)
+        if len(ids) == 1 and not skip_special_tokens:
+            return self.pieces(ids)[0]
+        return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def pieces(self, token_ids: list[int]) -> list[str]:
         """Each token decoded on its own (what a viewer shows at each position). A token that
