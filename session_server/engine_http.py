@@ -56,9 +56,10 @@ class Endpoint:
 
     @staticmethod
     def of(url: str, headers: dict[str, str]) -> Endpoint | None:
-        """`url`'s endpoint with these fixed headers; None unless it is plain `http://`."""
+        """`url`'s endpoint with these fixed headers; None unless it is plain `http://`
+        without credentials (httpx turns those into basic auth)."""
         parsed = httpx.URL(url)
-        if parsed.scheme != "http":
+        if parsed.scheme != "http" or parsed.userinfo:
             return None
         lines = [b"POST %s HTTP/1.1\r\nhost: %s\r\n" % (parsed.raw_path, parsed.netloc)]
         lines += (b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in headers.items())

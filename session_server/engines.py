@@ -278,7 +278,8 @@ class EngineClient:
         # by its health check, not by this timeout).
         # Requests to a plain http:// engine go through the lean client (engine_http.py);
         # an https:// one, and every request when a test or the in-process check passes its
-        # own transport, through httpx, with the same limits.
+        # own transport, through httpx, with the same limits (a transport given explicitly:
+        # like the lean client, it ignores proxy variables in the environment).
         timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s, pool=timeout_s)
         self._lean = (
             None
@@ -289,14 +290,14 @@ class EngineClient:
                 keepalive_expiry=KEEPALIVE_EXPIRY_S,
             )
         )
+        limits = httpx.Limits(
+            max_connections=max_connections,
+            max_keepalive_connections=max_connections,
+            keepalive_expiry=KEEPALIVE_EXPIRY_S,
+        )
         self._http = httpx.AsyncClient(
             timeout=timeout,
-            limits=httpx.Limits(
-                max_connections=max_connections,
-                max_keepalive_connections=max_connections,
-                keepalive_expiry=KEEPALIVE_EXPIRY_S,
-            ),
-            transport=transport,
+            transport=transport or httpx.AsyncHTTPTransport(limits=limits),
         )
         # Health checks get their own small pool, so a burst that fills the request pool
         # cannot starve them into declaring a busy engine dead.
@@ -737,8 +738,8 @@ def _loads(raw: bytes, sent: _Call | None) -> Any:
 
 
 async def _sse_lines(response: EngineReply) -> AsyncIterator[bytes]:
-    """The body's lines as bytes (httpx's text lines would decode the first chunk's echoed
-    prompt to str only for it to be encoded again)."""
+    """The body's lines as bytes (text lines would decode the first chunk's echoed prompt to
+    str only for it to be encoded again)."""
     buffer = bytearray()
     async for chunk in response.aiter_bytes():
         scanned = len(buffer)
