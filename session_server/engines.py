@@ -30,9 +30,9 @@ import contextlib
 import hashlib
 import io
 import logging
+import os
 import socket
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
@@ -577,7 +577,8 @@ class EngineClient:
         return failure.error
 
     def _body(self, replica: Replica, call: _Call) -> tuple[str, dict[str, Any]]:
-        request_id = f"{call.session_id}-{uuid.uuid4().hex[:16]}"
+        # 64 random bits (uuid4 costs five Python calls more per request)
+        request_id = f"{call.session_id}-{os.urandom(8).hex()}"
         params = dict(call.sampling)
         if params.get("logprobs") is None:
             params["logprobs"] = 0  # the sampled token's logprob, no alternatives
