@@ -1,6 +1,7 @@
 """The lean engine client (session_server/engine_http.py) as EngineClient uses it, against the
 vLLM-protocol double over real TCP: keep-alive and its expiry, the connection limit and the
-pool timeout, the read timeout while a stream stalls, a stream left early, https via httpx."""
+pool timeout, the read timeout while a stream stalls, a stream left early; https and a URL
+with credentials through httpx."""
 
 from __future__ import annotations
 
@@ -136,3 +137,15 @@ async def test_an_https_engine_goes_through_httpx(engine_double: EngineDouble) -
     assert raised.value.status == 503
     assert "SSL" in raised.value.message
     assert engine_double.requests == []
+
+
+async def test_an_engine_url_with_credentials_goes_through_httpx(
+    engine_double: EngineDouble,
+) -> None:
+    """httpx sends a URL's user and password as basic auth; the lean client would not."""
+    engine_double.default = answer(1)
+    url = engine_double.url.replace("http://", "http://user:secret@")
+    async with EngineClient([url], model=MODEL, health_interval_s=60) as client:
+        await client.generate("s", PROMPT, SAMPLING)
+    [request] = engine_double.requests
+    assert request.headers["authorization"] == "Basic dXNlcjpzZWNyZXQ="
