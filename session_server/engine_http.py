@@ -1,16 +1,22 @@
-"""A lean HTTP/1.1 keep-alive transport for the engine requests (an httpx transport).
+"""A lean HTTP/1.1 keep-alive client for the engine requests (plain `http://` engines).
 
-httpx's default transport (httpcore over anyio) was the largest share of a served turn's own
-Python after the turn itself: cancel scopes, h11 events, a `get_running_loop` (a `getpid`
-system call) per scope, and the request's head and body written by two system calls. This one
-is an `asyncio.Protocol` with httptools' C parser (uvicorn's, already a dependency): one write
-per request, the reply's body handed over as it arrives, the connection kept for the next
-request. The client code stays httpx (`build_request`, `send(stream=True)`, `aread`,
-`aiter_bytes`) and maps the same httpx exceptions, so retries and marking down are unchanged.
+httpx costs a served turn far more Python than the request itself: with any transport, each
+request builds an `httpx.Request` and `httpx.Response` (URL parsing and merging, header
+normalisation, a cookie jar run through `urllib.request` and `email` parsing), ~300 function
+calls; its default transport (httpcore over anyio) adds cancel scopes, h11 events and two
+system calls per request. This client is an `asyncio.Protocol` with httptools' C parser
+(uvicorn's, already a dependency): what can be is computed once per replica and path (where
+to connect, the request line and static headers, `Endpoint`), each request is one write, the
+reply's body is handed over as it arrives, and the connection is kept for the next request.
+Its reply (`LeanResponse`) has the few members the engine client reads (`EngineReply`), as
+httpx's `Response` has, so an `https://` engine (or a transport a test passes) goes through
+httpx with the same code.
 
-Timeouts follow the request's httpx timeout: `pool` (waiting for a connection slot), `connect`,
-`read` (between two pieces of the reply). Plain `http://` only: an `https://` engine goes
-through httpx's own transport, with the same limits.
+Timeouts follow the engine client's `httpx.Timeout`: `pool` (waiting for a connection slot),
+`connect`, `read` (between two pieces of the reply). Failures raise httpx's exception classes
+(`PoolTimeout`, `ConnectTimeout`, `ConnectError`, `ReadTimeout`, `ReadError`,
+`RemoteProtocolError`), so retries and marking down are the same whichever way a request went.
+The request asks for an uncompressed reply (`accept-encoding: identity`): nothing decodes one.
 """
 
 from __future__ import annotations
@@ -19,16 +25,53 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from typing import cast
+from dataclasses import dataclass
+from typing import Protocol, cast
 
 import httptools
 import httpx
 
 
+class EngineReply(Protocol):
+    """What the engine client reads of a reply: `LeanResponse`, or httpx's `Response`."""
+
+    @property
+    def status_code(self) -> int: ...
+
+    async def aread(self) -> bytes: ...
+
+    def aiter_bytes(self) -> AsyncIterator[bytes]: ...
+
+    async def aclose(self) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint:
+    """One URL to POST to, prepared once: where to connect, and the request's head up to
+    the headers that change per request."""
+
+    host: str
+    port: int
+    head: bytes
+
+    @staticmethod
+    def of(url: str, headers: dict[str, str]) -> Endpoint | None:
+        """`url`'s endpoint with these fixed headers; None unless it is plain `http://`
+        without credentials (httpx turns those into basic auth)."""
+        parsed = httpx.URL(url)
+        if parsed.scheme != "http" or parsed.userinfo:
+            return None
+        lines = [b"POST %s HTTP/1.1\r\nhost: %s\r\n" % (parsed.raw_path, parsed.netloc)]
+        lines += (b"%s: %s\r\n" % (k.encode(), v.encode()) for k, v in headers.items())
+        return Endpoint(parsed.raw_host.decode("ascii"), parsed.port or 80, b"".join(lines))
+
+
 class _Connection(asyncio.Protocol):
     """One keep-alive connection; one request at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, pool: LeanClient) -> None:
+        self.pool = pool
+        self.loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self.key: tuple[str, int] = ("", 0)
         self.closed = False
@@ -38,7 +81,6 @@ class _Connection(asyncio.Protocol):
 
     def _reset(self) -> None:
         self.status = 0
-        self.headers: list[tuple[bytes, bytes]] = []
         self.head_done = False
         self.keep_alive = False
         self.complete = False
@@ -68,11 +110,9 @@ class _Connection(asyncio.Protocol):
                     httpx.RemoteProtocolError("Server disconnected without sending a response.")
                 )
         self._wake()
+        self.pool.forget(self)
 
-    # httptools callbacks
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))
-
+    # httptools callbacks (the reply's headers are not read: no `on_header`)
     def on_headers_complete(self) -> None:
         self.status = self._parser.get_status_code()
         self.keep_alive = self._parser.should_keep_alive()  # not answered once complete
@@ -93,23 +133,24 @@ class _Connection(asyncio.Protocol):
             self._waiter.set_result(None)
 
     async def wait(self, timeout: float | None) -> None:
-        """Until more of the reply (or its end, or a failure) has arrived."""
-        self._waiter = asyncio.get_running_loop().create_future()
+        """Until more of the reply (or its end, or a failure) has arrived. The read timeout
+        is one timer that fails the wait (cheaper than `asyncio.timeout`'s cancellation)."""
+        waiter = self._waiter = self.loop.create_future()
+        timer = None if timeout is None else self.loop.call_later(timeout, _expire, waiter)
         try:
-            async with asyncio.timeout(timeout):
-                await self._waiter
-        except TimeoutError:
-            raise httpx.ReadTimeout("the engine sent nothing within the read timeout") from None
+            await waiter
         finally:
             self._waiter = None
+            if timer is not None:
+                timer.cancel()
 
-    def send(self, data: bytes) -> None:
+    def send(self, head: bytes, body: bytes) -> None:
         self._reset()
         assert self.transport is not None
         if self.closed or self.transport.is_closing():
             self._fail(httpx.RemoteProtocolError("the engine connection is closed"))
             return
-        self.transport.write(data)
+        self.transport.writelines((head, body))  # one system call, the body not copied
 
     def reusable(self) -> bool:
         return not self.closed and self.complete and self.error is None and self.keep_alive
@@ -120,90 +161,129 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
-class _Body(httpx.AsyncByteStream):
-    def __init__(self, pool: LeanTransport, conn: _Connection, read_timeout: float | None):
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(httpx.ReadTimeout("the engine sent nothing within the read timeout"))
+
+
+class LeanResponse:
+    """A reply whose head has arrived. Read it once, with `aread` or `aiter_bytes`; `aclose`
+    (always, also after reading) gives the connection back, or closes it if the reply was
+    not read to its end: a stream left early is a closed connection, which makes vLLM abort
+    the request."""
+
+    __slots__ = ("_conn", "_pool", "_read_timeout", "_released", "status_code")
+
+    def __init__(self, pool: LeanClient, conn: _Connection, read_timeout: float | None) -> None:
+        self.status_code = conn.status
         self._pool = pool
         self._conn = conn
-        self._timeout = read_timeout
-        self._done = False
+        self._read_timeout = read_timeout
+        self._released = False
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
+    async def aread(self) -> bytes:
         conn = self._conn
+        while not conn.complete:
+            if conn.error is not None:
+                raise conn.error
+            await conn.wait(self._read_timeout)
+        chunks = conn.chunks
+        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        self._release()
+        return body
+
+    async def aiter_bytes(self) -> AsyncIterator[bytes]:
+        conn = self._conn
+        chunks = conn.chunks
         while True:
-            while conn.chunks:
-                yield conn.chunks.popleft()
+            while chunks:
+                yield chunks.popleft()
             if conn.complete:
                 break
             if conn.error is not None:
                 raise conn.error
-            await conn.wait(self._timeout)
-        await self.aclose()
+            await conn.wait(self._read_timeout)
+        self._release()
 
     async def aclose(self) -> None:
-        if not self._done:
-            self._done = True
+        self._release()
+
+    def _release(self) -> None:
+        if not self._released:
+            self._released = True
             self._pool.release(self._conn)
 
 
-def _head(request: httpx.Request, body: bytes) -> bytes:
-    target = request.url.raw_path
-    lines = [request.method.encode(), b" ", target, b" HTTP/1.1\r\n"]
-    for name, value in request.headers.raw:
-        lines += (name, b": ", value, b"\r\n")
-    if body and "content-length" not in request.headers:
-        lines.append(b"content-length: %d\r\n" % len(body))
-    lines.append(b"\r\n")
-    return b"".join(lines)
+class LeanClient:
+    """A pool of at most `max_connections` engine connections (idle ones kept for
+    `keepalive_expiry` seconds), requests bounded by `timeout`'s pool, connect and read."""
 
-
-class LeanTransport(httpx.AsyncBaseTransport):
-    def __init__(self, *, max_connections: int, keepalive_expiry: float) -> None:
-        self._slots = asyncio.Semaphore(max_connections)
+    def __init__(
+        self, *, timeout: httpx.Timeout, max_connections: int, keepalive_expiry: float
+    ) -> None:
+        self._pool_timeout = timeout.pool
+        self._connect_timeout = timeout.connect
+        self._read_timeout = timeout.read
         self._expiry = keepalive_expiry
+        self._free = max_connections  # connection slots not taken by a request
+        self._slot_waiters: deque[asyncio.Future[None]] = deque()
         self._idle: dict[tuple[str, int], list[_Connection]] = {}
         self._open: set[_Connection] = set()
-        self._tls = httpx.AsyncHTTPTransport(
-            limits=httpx.Limits(
-                max_connections=max_connections,
-                max_keepalive_connections=max_connections,
-                keepalive_expiry=keepalive_expiry,
-            )
-        )
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if request.url.scheme != "http":
-            return await self._tls.handle_async_request(request)
-        timeout = request.extensions.get("timeout", {})
-        body = await request.aread()
-        try:
-            async with asyncio.timeout(timeout.get("pool")):
-                await self._slots.acquire()
-        except TimeoutError:
-            raise httpx.PoolTimeout("no free engine connection within the pool timeout") from None
+    async def post(self, endpoint: Endpoint, headers: bytes, body: bytes) -> LeanResponse:
+        """POST `body` with the endpoint's head plus `headers` (whole `name: value\\r\\n`
+        lines); returns once the reply's head has arrived."""
+        if self._free > 0:
+            self._free -= 1
+        else:
+            await self._wait_for_slot()
         conn: _Connection | None = None
         try:
-            conn = await self._connection(request.url, timeout.get("connect"))
-            conn.send(_head(request, body) + body)
+            conn = self._idle_connection(endpoint) or await self._connect(endpoint)
+            conn.send(b"%s%scontent-length: %d\r\n\r\n" % (endpoint.head, headers, len(body)), body)
             while not conn.head_done:
                 if conn.error is not None:
                     raise conn.error
-                await conn.wait(timeout.get("read"))
+                await conn.wait(self._read_timeout)
         except BaseException:
             if conn is not None:
                 conn.close()
                 self._open.discard(conn)
-            self._slots.release()
+            self._release_slot()
             raise
-        return httpx.Response(
-            conn.status,
-            headers=conn.headers,
-            stream=_Body(self, conn, timeout.get("read")),
-            extensions={"http_version": b"HTTP/1.1"},
-        )
+        return LeanResponse(self, conn, self._read_timeout)
 
-    async def _connection(self, url: httpx.URL, connect_timeout: float | None) -> _Connection:
-        key = (url.host, url.port or 80)
-        idle = self._idle.get(key)
+    async def _wait_for_slot(self) -> None:
+        waiter = asyncio.get_running_loop().create_future()
+        self._slot_waiters.append(waiter)
+        try:
+            async with asyncio.timeout(self._pool_timeout):
+                await waiter
+        except BaseException as exc:
+            if waiter.done() and not waiter.cancelled():
+                self._release_slot()  # handed a slot just as it gave up: pass it on
+            else:
+                waiter.cancel()
+                if waiter in self._slot_waiters:
+                    self._slot_waiters.remove(waiter)
+            if isinstance(exc, TimeoutError):
+                raise httpx.PoolTimeout(
+                    "no free engine connection within the pool timeout"
+                ) from None
+            raise
+
+    def _release_slot(self) -> None:
+        while self._slot_waiters:
+            waiter = self._slot_waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)  # the slot goes to the longest waiting request
+                return
+        self._free += 1
+
+    def _idle_connection(self, endpoint: Endpoint) -> _Connection | None:
+        idle = self._idle.get((endpoint.host, endpoint.port))
+        if not idle:
+            return None
         now = time.monotonic()
         while idle:
             conn = idle.pop()
@@ -211,15 +291,19 @@ class LeanTransport(httpx.AsyncBaseTransport):
                 return conn
             conn.close()
             self._open.discard(conn)
+        return None
+
+    async def _connect(self, endpoint: Endpoint) -> _Connection:
+        host, port = endpoint.host, endpoint.port
         loop = asyncio.get_running_loop()
         try:
-            async with asyncio.timeout(connect_timeout):
-                _, conn = await loop.create_connection(_Connection, key[0], key[1])
+            async with asyncio.timeout(self._connect_timeout):
+                _, conn = await loop.create_connection(lambda: _Connection(self), host, port)
         except TimeoutError:
-            raise httpx.ConnectTimeout(f"connecting to {key[0]}:{key[1]} timed out") from None
+            raise httpx.ConnectTimeout(f"connecting to {host}:{port} timed out") from None
         except OSError as exc:
             raise httpx.ConnectError(str(exc)) from exc
-        conn.key = key
+        conn.key = (host, port)
         self._open.add(conn)
         return conn
 
@@ -231,11 +315,17 @@ class LeanTransport(httpx.AsyncBaseTransport):
         else:
             conn.close()
             self._open.discard(conn)
-        self._slots.release()
+        self._release_slot()
+
+    def forget(self, conn: _Connection) -> None:
+        """The engine closed `conn` (if it was idle, it no longer waits in the pool)."""
+        self._open.discard(conn)
+        idle = self._idle.get(conn.key)
+        if idle and conn in idle:
+            idle.remove(conn)
 
     async def aclose(self) -> None:
-        for conn in self._open:
+        for conn in list(self._open):
             conn.close()
         self._open.clear()
         self._idle.clear()
-        await self._tls.aclose()

@@ -30,9 +30,9 @@ import contextlib
 import hashlib
 import io
 import logging
+import os
 import socket
 import time
-import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from enum import Enum
@@ -42,7 +42,7 @@ import httpx
 import numpy as np
 import orjson
 
-from session_server.engine_http import LeanTransport
+from session_server.engine_http import Endpoint, EngineReply, LeanClient
 from session_server.images import ImageInput, content_parts
 from session_server.store.base import WeightSpan
 
@@ -55,6 +55,11 @@ HEALTH_PATH = "/health"
 WEIGHT_INFO_PATH = "/weight_info"
 # vLLM reads this header for session-aware scheduling; it costs nothing to send.
 SESSION_HEADER = "X-Session-ID"
+_SESSION_LINE = SESSION_HEADER.lower().encode() + b": %s\r\n"
+# The headers every engine request sends besides the session's (the lean client adds the
+# length); the lean client asks for an uncompressed reply, as it decodes none.
+_REQUEST_HEADERS = {"content-type": "application/json"}
+_LEAN_HEADERS = {**_REQUEST_HEADERS, "user-agent": "tokenkeep", "accept-encoding": "identity"}
 
 
 @dataclass(slots=True)
@@ -163,6 +168,8 @@ class Replica:
     answers it, else the version that sampled the last tokens it returned."""
     weight_info: bool = True
     """False once the replica answered `GET /weight_info` with an error (not in dev mode)."""
+    endpoints: dict[str, Endpoint | None] = field(default_factory=dict, repr=False)
+    """Per request path, the lean client's prepared endpoint (None: through httpx)."""
 
 
 # A replica is marked down by its health check, or after this many requests in a row could not
@@ -269,12 +276,28 @@ class EngineClient:
         # on this process's event loop, and while a burst of requests keeps the loop busy
         # for seconds it expires although the connection was made (a dead engine is found
         # by its health check, not by this timeout).
-        # The requests go through the lean transport (engine_http.py) unless a test or the
-        # in-process check passes its own.
+        # Requests to a plain http:// engine go through the lean client (engine_http.py);
+        # an https:// one, and every request when a test or the in-process check passes its
+        # own transport, through httpx, with the same limits (a transport given explicitly:
+        # like the lean client, it ignores proxy variables in the environment).
+        timeout = httpx.Timeout(timeout_s, connect=connect_timeout_s, pool=timeout_s)
+        self._lean = (
+            None
+            if transport is not None
+            else LeanClient(
+                timeout=timeout,
+                max_connections=max_connections,
+                keepalive_expiry=KEEPALIVE_EXPIRY_S,
+            )
+        )
+        limits = httpx.Limits(
+            max_connections=max_connections,
+            max_keepalive_connections=max_connections,
+            keepalive_expiry=KEEPALIVE_EXPIRY_S,
+        )
         self._http = httpx.AsyncClient(
-            timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s, pool=timeout_s),
-            transport=transport
-            or LeanTransport(max_connections=max_connections, keepalive_expiry=KEEPALIVE_EXPIRY_S),
+            timeout=timeout,
+            transport=transport or httpx.AsyncHTTPTransport(limits=limits),
         )
         # Health checks get their own small pool, so a burst that fills the request pool
         # cannot starve them into declaring a busy engine dead.
@@ -303,6 +326,8 @@ class EngineClient:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
             self._health_task = None
+        if self._lean is not None:
+            await self._lean.aclose()
         await self._http.aclose()
         await self._health_http.aclose()
 
@@ -552,7 +577,8 @@ class EngineClient:
         return failure.error
 
     def _body(self, replica: Replica, call: _Call) -> tuple[str, dict[str, Any]]:
-        request_id = f"{call.session_id}-{uuid.uuid4().hex[:16]}"
+        # 64 random bits (uuid4 costs five Python calls more per request)
+        request_id = f"{call.session_id}-{os.urandom(8).hex()}"
         params = dict(call.sampling)
         if params.get("logprobs") is None:
             params["logprobs"] = 0  # the sampled token's logprob, no alternatives
@@ -590,19 +616,36 @@ class EngineClient:
             "stream": call.stream,
         }
 
-    async def _post(self, replica: Replica, call: _Call) -> httpx.Response:
+    async def _send(self, replica: Replica, path: str, call: _Call, content: bytes) -> EngineReply:
+        """POST `content` to the replica's `path`: through the lean client where the replica
+        is plain http and no transport was given, else through httpx."""
+        try:
+            endpoint = replica.endpoints[path]
+        except KeyError:
+            endpoint = replica.endpoints[path] = (
+                Endpoint.of(replica.url + path, _LEAN_HEADERS) if self._lean is not None else None
+            )
+        if endpoint is not None:
+            assert self._lean is not None
+            session = call.session_id.encode("ascii")
+            if b"\r" in session or b"\n" in session:  # written as is: no header injection
+                raise ValueError(f"session id {call.session_id!r} cannot be a header value")
+            return await self._lean.post(endpoint, _SESSION_LINE % session, content)
+        request = self._http.build_request(
+            "POST",
+            replica.url + path,
+            content=content,
+            headers={SESSION_HEADER: call.session_id, **_REQUEST_HEADERS},
+        )
+        return await self._http.send(request, stream=True)
+
+    async def _post(self, replica: Replica, call: _Call) -> EngineReply:
         """Send the request (the body is read by the caller) and settle the endpoint question:
         a replica without the token endpoint is switched to the completions fallback."""
         while True:
             path, body = self._body(replica, call)
-            request = self._http.build_request(
-                "POST",
-                replica.url + path,
-                content=encode_body(body),
-                headers={SESSION_HEADER: call.session_id, "content-type": "application/json"},
-            )
             try:
-                response = await self._http.send(request, stream=True)
+                response = await self._send(replica, path, call, encode_body(body))
             except (httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
                 raise _Retryable(
                     EngineError(
@@ -695,9 +738,9 @@ def _loads(raw: bytes, sent: _Call | None) -> Any:
     return orjson.loads(raw)
 
 
-async def _sse_lines(response: httpx.Response) -> AsyncIterator[bytes]:
-    """The body's lines as bytes (httpx's text lines would decode the first chunk's echoed
-    prompt to str only for it to be encoded again)."""
+async def _sse_lines(response: EngineReply) -> AsyncIterator[bytes]:
+    """The body's lines as bytes (text lines would decode the first chunk's echoed prompt to
+    str only for it to be encoded again)."""
     buffer = bytearray()
     async for chunk in response.aiter_bytes():
         scanned = len(buffer)
@@ -712,7 +755,7 @@ async def _sse_lines(response: httpx.Response) -> AsyncIterator[bytes]:
 
 
 async def _sse_payloads(
-    response: httpx.Response, url: str, sent: _Call | None = None
+    response: EngineReply, url: str, sent: _Call | None = None
 ) -> AsyncIterator[dict[str, Any]]:
     """The JSON payloads of an SSE body, up to `data: [DONE]`. vLLM sends single-line
     `data:` events only. An error event or a body that ends without [DONE] raises
