@@ -28,6 +28,7 @@ from session_server.api import (
     viewer,
 )
 from session_server.api.auth import Guard
+from session_server.api.lane import LanedFastAPI
 from session_server.api.limits import BodyLimit
 from session_server.engines import EngineClient
 from session_server.metrics import Metrics
@@ -123,7 +124,7 @@ def create_app(settings: Settings, service: TurnService | None = None) -> FastAP
             await service.engine.close()
             await service.store.close()
 
-    app = FastAPI(title="tokenkeep session server", version=__version__, lifespan=lifespan)
+    app = LanedFastAPI(title="tokenkeep session server", version=__version__, lifespan=lifespan)
     app.state.turns = service
     app.state.settings = settings
     admission = Admission(
@@ -136,6 +137,8 @@ def create_app(settings: Settings, service: TurnService | None = None) -> FastAP
     errors.install(app)
     for module in (chat, messages, responses, completions, generate, sessions, health, viewer):
         app.include_router(module.router)
+    # Their turn routes are served by the lane (api/lane.py), in front of FastAPI's stack.
+    app.lane_routers = [m.router for m in (chat, messages, responses, completions, generate)]
     # Innermost first: a request is admitted (bounded in-flight work) only after its
     # credentials are checked and its body size, and the access log (outermost) records
     # whatever the answer was, refusals included.
