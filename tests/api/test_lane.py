@@ -299,12 +299,19 @@ def test_an_unexpected_exception_gets_starlettes_500_and_is_logged(
     assert str(errors[-1].exc_info[1]) == "broken"
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/sessions/late/v1/chat/completions", CHAT),
+        ("/sessions/late/inference/v1/generate", {"token_ids": [1, 2, 3]}),
+    ],
+)
 def test_a_draining_server_refuses_turns_and_closes_connections(
-    app: LanedFastAPI, url: str, monkeypatch: pytest.MonkeyPatch
+    app: LanedFastAPI, url: str, monkeypatch: pytest.MonkeyPatch, path: str, body: Any
 ) -> None:
     monkeypatch.setattr(app.state.admission, "draining", True)
     with httpx.Client(base_url=url, timeout=30) as client:
-        refused = client.post("/sessions/late/v1/chat/completions", json=CHAT)
+        refused = client.post(path, json=body)
     assert refused.status_code == 503
     assert refused.headers["retry-after"] == "1"
     assert refused.headers["connection"] == "close"
