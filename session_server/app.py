@@ -12,6 +12,7 @@ from types import FrameType
 import orjson
 import uvicorn
 from fastapi import FastAPI
+from prometheus_client import Counter, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from session_server import __version__
@@ -112,7 +113,7 @@ def build_service(
     )
 
 
-def create_app(settings: Settings, service: TurnService | None = None) -> FastAPI:
+def create_app(settings: Settings, service: TurnService | None = None) -> LanedFastAPI:
     service = service or build_service(settings)
 
     @asynccontextmanager
@@ -158,6 +159,8 @@ class AccessLog:
         self.app = app
         self.metrics = metrics
         self.admission = admission
+        # (api, status) -> its counter and histogram: `labels()` costs more than counting.
+        self._counted: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -181,8 +184,14 @@ class AccessLog:
             _log_line(scope, status, started)
             api = scope.get("state", {}).get("api")
             if api:
-                self.metrics.requests.labels(api=api, status=str(status)).inc()
-                self.metrics.request_seconds.labels(api=api).observe(time.perf_counter() - started)
+                counted = self._counted.get((api, status))
+                if counted is None:
+                    counted = self._counted[api, status] = (
+                        self.metrics.requests.labels(api=api, status=str(status)),
+                        self.metrics.request_seconds.labels(api=api),
+                    )
+                counted[0].inc()
+                counted[1].observe(time.perf_counter() - started)
 
 
 def _log_line(scope: Scope, status: int, started: float) -> None:
