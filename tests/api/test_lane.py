@@ -133,6 +133,15 @@ def test_every_other_request_is_left_to_fastapi(app: LanedFastAPI, method: str, 
     assert app.lane().match(_scope(method, path)) is None
 
 
+def test_with_fastapis_opentelemetry_on_every_request_keeps_fastapis_path(
+    double: EngineDouble, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """FastAPI's own spans (its native telemetry) wrap only requests it routes."""
+    app = _app(double)
+    monkeypatch.setattr(app._native_telemetry, "enabled", lambda: True)
+    assert all(app.lane().match(_scope("POST", path)) is None for path in TURN_PATHS)
+
+
 def test_the_turn_routes_stay_in_the_openapi_schema(url: str) -> None:
     paths = httpx.get(f"{url}/openapi.json").json()["paths"]
     for path in TURN_PATHS:
