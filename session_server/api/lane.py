@@ -176,9 +176,17 @@ class LanedFastAPI(FastAPI):
         is, the lane takes no route and every request keeps FastAPI's spans."""
         if self._lane is None:
             telemetry = getattr(self, "_native_telemetry", None)
-            routers = () if telemetry is not None and telemetry.enabled() else self.lane_routers
-            routes = (route for router in routers for route in router.routes)
-            self._lane = Lane(self, (r for r in routes if isinstance(r, LeanRoute)))
+            routes: list[LeanRoute] = []
+            if telemetry is None or not telemetry.enabled():
+                for router in self.lane_routers:
+                    # FastAPI's own body limit (`max_body_size`), where one is set, is
+                    # FastAPI's to enforce.
+                    routes += (
+                        route
+                        for route in router.routes
+                        if isinstance(route, LeanRoute) and _no_limit(self, router, route)
+                    )
+            self._lane = Lane(self, routes)
         return self._lane
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -191,3 +199,7 @@ class LanedFastAPI(FastAPI):
                 await lane(scope, receive, send, *served)
                 return
         await super().__call__(scope, receive, send)
+
+
+def _no_limit(*levels: Any) -> bool:
+    return all(getattr(level, "max_body_size", None) is None for level in levels)

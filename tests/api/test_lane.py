@@ -142,6 +142,14 @@ def test_with_fastapis_opentelemetry_on_every_request_keeps_fastapis_path(
     assert all(app.lane().match(_scope("POST", path)) is None for path in TURN_PATHS)
 
 
+def test_a_fastapi_body_limit_keeps_its_routes_on_fastapis_path(
+    double: EngineDouble, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    app = _app(double)
+    monkeypatch.setattr(app, "max_body_size", LIMIT, raising=False)
+    assert all(app.lane().match(_scope("POST", path)) is None for path in TURN_PATHS)
+
+
 def test_the_turn_routes_stay_in_the_openapi_schema(url: str) -> None:
     paths = httpx.get(f"{url}/openapi.json").json()["paths"]
     for path in TURN_PATHS:
