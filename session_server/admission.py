@@ -21,7 +21,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from session_server.api.errors import error_response
 from session_server.metrics import Metrics
 
-_GENERATION_SUFFIXES = ("/v1/chat/completions", "/v1/messages", "/v1/responses", "/v1/completions")
+_GENERATION_SUFFIXES = (
+    "/v1/chat/completions",
+    "/v1/messages",
+    "/v1/responses",
+    "/v1/completions",
+    "/inference/v1/generate",
+)
 
 
 class Rejected(Exception):

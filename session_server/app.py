@@ -12,6 +12,7 @@ from types import FrameType
 import orjson
 import uvicorn
 from fastapi import FastAPI
+from prometheus_client import Counter, Histogram
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from session_server import __version__
@@ -28,6 +29,7 @@ from session_server.api import (
     viewer,
 )
 from session_server.api.auth import Guard
+from session_server.api.lane import LanedFastAPI
 from session_server.api.limits import BodyLimit
 from session_server.engines import EngineClient
 from session_server.metrics import Metrics
@@ -111,7 +113,7 @@ def build_service(
     )
 
 
-def create_app(settings: Settings, service: TurnService | None = None) -> FastAPI:
+def create_app(settings: Settings, service: TurnService | None = None) -> LanedFastAPI:
     service = service or build_service(settings)
 
     @asynccontextmanager
@@ -123,7 +125,7 @@ def create_app(settings: Settings, service: TurnService | None = None) -> FastAP
             await service.engine.close()
             await service.store.close()
 
-    app = FastAPI(title="tokenkeep session server", version=__version__, lifespan=lifespan)
+    app = LanedFastAPI(title="tokenkeep session server", version=__version__, lifespan=lifespan)
     app.state.turns = service
     app.state.settings = settings
     admission = Admission(
@@ -136,6 +138,8 @@ def create_app(settings: Settings, service: TurnService | None = None) -> FastAP
     errors.install(app)
     for module in (chat, messages, responses, completions, generate, sessions, health, viewer):
         app.include_router(module.router)
+    # Their turn routes are served by the lane (api/lane.py), in front of FastAPI's stack.
+    app.lane_routers = [m.router for m in (chat, messages, responses, completions, generate)]
     # Innermost first: a request is admitted (bounded in-flight work) only after its
     # credentials are checked and its body size, and the access log (outermost) records
     # whatever the answer was, refusals included.
@@ -155,6 +159,8 @@ class AccessLog:
         self.app = app
         self.metrics = metrics
         self.admission = admission
+        # (api, status) -> its counter and histogram: `labels()` costs more than counting.
+        self._counted: dict[tuple[str, int], tuple[Counter, Histogram]] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -178,8 +184,14 @@ class AccessLog:
             _log_line(scope, status, started)
             api = scope.get("state", {}).get("api")
             if api:
-                self.metrics.requests.labels(api=api, status=str(status)).inc()
-                self.metrics.request_seconds.labels(api=api).observe(time.perf_counter() - started)
+                counted = self._counted.get((api, status))
+                if counted is None:
+                    counted = self._counted[api, status] = (
+                        self.metrics.requests.labels(api=api, status=str(status)),
+                        self.metrics.request_seconds.labels(api=api),
+                    )
+                counted[0].inc()
+                counted[1].observe(time.perf_counter() - started)
 
 
 def _log_line(scope: Scope, status: int, started: float) -> None:

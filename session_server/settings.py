@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import json
 import logging
@@ -110,6 +111,7 @@ class Settings(BaseSettings):
 # to start before importing the server.
 
 
+@functools.lru_cache(maxsize=1024)  # the guard asks it for the client of every request
 def is_loopback(host: str | None) -> bool:
     if not host:
         return False

@@ -9,7 +9,8 @@ body is validated straight from its bytes by a validator built once per route (p
 parses the JSON itself), and a dict reply is serialised by orjson.
 
 A route whose signature needs more than path parameters, one JSON body and the `Request`
-falls back to FastAPI's handler.
+falls back to FastAPI's handler. The turn requests do not even reach FastAPI: the lane in
+front of it (`api/lane.py`) calls the same `LeanEndpoint`.
 
 A body that would take more than a few ms to validate (many small objects: validation cost
 follows the number of objects, not the bytes) is validated in a worker thread, and the
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, TypeVar
 
 import orjson
@@ -75,9 +78,22 @@ def _effective_dependant(route: APIRoute) -> Any:
     return route.dependant
 
 
-class LeanRoute(APIRoute):
-    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        dependant = _effective_dependant(self)
+@dataclass(frozen=True)
+class LeanEndpoint:
+    """A route's endpoint called with its body validated from bytes: what both `LeanRoute`'s
+    handler (requests routed by FastAPI) and the turn lane (`api/lane.py`) run."""
+
+    endpoint: Callable[..., Coroutine[Any, Any, Any]]
+    validator: TypeAdapter[Any]
+    body_name: str
+    request_name: str
+    path_params: tuple[tuple[str, str], ...]
+    status_code: int
+
+    @classmethod
+    def of(cls, dependant: Any, status_code: int | None) -> LeanEndpoint | None:
+        """None for an endpoint that needs more than path parameters, one JSON body and the
+        `Request` (FastAPI's own handler serves it)."""
         if (
             len(dependant.body_params) != 1
             or dependant.dependencies
@@ -85,40 +101,58 @@ class LeanRoute(APIRoute):
             or dependant.header_params
             or dependant.cookie_params
             or not dependant.request_param_name
+            or dependant.call is None
         ):
-            return super().get_route_handler()
+            return None
         body_field = dependant.body_params[0]
-        validator = TypeAdapter(body_field.field_info.annotation)
-        path_params = [(p.name, p.alias) for p in dependant.path_params]
-        request_name = dependant.request_param_name
-        endpoint = dependant.call
-        status_code = self.status_code or 200
-        assert endpoint is not None
+        return cls(
+            endpoint=dependant.call,
+            validator=TypeAdapter(body_field.field_info.annotation),
+            body_name=body_field.name,
+            request_name=dependant.request_param_name,
+            path_params=tuple((p.name, p.alias) for p in dependant.path_params),
+            status_code=status_code or 200,
+        )
+
+    async def __call__(self, request: Request) -> Any:
+        raw = await request.body()
+        if not raw:
+            raise RequestValidationError(
+                [{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}]
+            )
+        try:
+            if off_loop_body(raw):
+                request.scope["tokenkeep.off_loop"] = True
+                body = await asyncio.to_thread(self.validator.validate_json, raw)
+            else:
+                body = self.validator.validate_json(raw)
+        except ValidationError as exc:
+            raise RequestValidationError(
+                [{**error, "loc": ("body", *error["loc"])} for error in exc.errors()]
+            ) from None
+        path_params = request.path_params
+        kwargs: dict[str, Any] = {name: path_params[alias] for name, alias in self.path_params}
+        kwargs[self.body_name] = body
+        kwargs[self.request_name] = request
+        return await self.endpoint(**kwargs)
+
+
+class LeanRoute(APIRoute):
+    @cached_property
+    def lean(self) -> LeanEndpoint | None:
+        """The endpoint as declared, for the lane (which serves the route at its declared
+        path: the turn routers are included without a prefix or dependencies)."""
+        return LeanEndpoint.of(self.dependant, self.status_code)
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        lean = LeanEndpoint.of(_effective_dependant(self), self.status_code)
+        if lean is None:
+            return super().get_route_handler()
 
         async def handler(request: Request) -> Response:
-            raw = await request.body()
-            if not raw:
-                raise RequestValidationError(
-                    [{"type": "missing", "loc": ("body",), "msg": "Field required", "input": None}]
-                )
-            try:
-                if off_loop_body(raw):
-                    request.scope["tokenkeep.off_loop"] = True
-                    body = await asyncio.to_thread(validator.validate_json, raw)
-                else:
-                    body = validator.validate_json(raw)
-            except ValidationError as exc:
-                raise RequestValidationError(
-                    [{**error, "loc": ("body", *error["loc"])} for error in exc.errors()]
-                ) from None
-            kwargs: dict[str, Any] = {
-                name: request.path_params[alias] for name, alias in path_params
-            }
-            kwargs[body_field.name] = body
-            kwargs[request_name] = request
-            result = await endpoint(**kwargs)
+            result = await lean(request)
             if isinstance(result, Response):
                 return result
-            return JSONBytes(result, status_code=status_code)
+            return JSONBytes(result, status_code=lean.status_code)
 
         return handler
