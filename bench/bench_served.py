@@ -15,7 +15,10 @@ matters is the server process's own CPU time, read from /proc:
   and what one queued request costs (peak resident memory over the idle server's, divided by
   the peak number of requests waiting for a slot, read from /metrics during the burst);
 - added time to first token: a streamed turn through tokenkeep (first content chunk) minus
-  the same-length token prompt streamed straight to the engine double (its first chunk).
+  the same-length token prompt streamed straight to the engine double (its first chunk);
+- the floor: the same sequential turns through `bench/floor_relay.py`, a minimal Python relay
+  under the same server stack with no session logic, so that figures from machines of
+  different speeds can be compared (tokenkeep's CPU per turn as a multiple of it).
 
 Run: .venv/bin/python bench/bench_served.py [--out bench/results/served.md] [--quick]
 """
@@ -153,6 +156,44 @@ def start_server(engine_url: str, redis_url: str | None, workdir: Path) -> Serve
         time.sleep(0.2)
     proc.kill()
     raise RuntimeError("server did not start")
+
+
+def start_floor_relay(engine_url: str, workdir: Path) -> Server:
+    """bench/floor_relay.py under the same server stack as `tokenkeep serve`."""
+    port = _free_port()
+    log = workdir / f"floor-{port}.log"
+    command = [
+        sys.executable, "-m", "uvicorn", "bench.floor_relay:app", "--port", str(port),
+        "--loop", "uvloop", "--http", "httptools", "--no-access-log", "--log-level", "warning",
+    ]  # fmt: skip
+    env = {**os.environ, "FLOOR_ENGINE": engine_url.removeprefix("http://")}
+    proc = subprocess.Popen(
+        command, cwd=ROOT, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError("floor relay exited:\n" + log.read_text()[-3000:])
+        try:
+            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
+                return Server(proc, url, log)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("floor relay did not start")
+
+
+def floor_per_turn(engine_url: str, workdir: Path, args: argparse.Namespace) -> list[PerTurn]:
+    texts = Texts()
+    relay = start_floor_relay(engine_url, workdir)
+    try:
+        return [
+            per_turn_cpu(relay, texts, h, args.sessions, args.turns, "floor") for h in HISTORIES[:2]
+        ]
+    finally:
+        stop(relay.proc)
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
@@ -574,7 +615,9 @@ def run_store(
     return out
 
 
-def report(results: list[dict[str, Any]], label: str, concurrency: int) -> str:
+def report(
+    results: list[dict[str, Any]], label: str, concurrency: int, floor: list[PerTurn]
+) -> str:
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         f"## {label}",
@@ -597,6 +640,23 @@ def report(results: list[dict[str, Any]], label: str, concurrency: int) -> str:
             lines.append(
                 f"| {r['store']} | {p.history // 1000}k | {p.prompt_tokens} | {p50:.2f} | "
                 f"{pct(p.cpu_ms, 0.95):.2f} | {p.mean_ms:.2f} | {ratio} |"
+            )
+    if floor:
+        lines += [
+            "",
+            "The floor on this machine: the same turns through `bench/floor_relay.py`, a minimal "
+            "Python relay under the same server stack (uvicorn, uvloop, httptools; request read, "
+            "token prompt of the same length sent to the same engine double, fixed reply), no "
+            "session logic. Scale the absolute figures by it on another machine:",
+            "",
+            "| history | relay CPU p50 ms | tokenkeep (first store) p50 ms | tokenkeep / relay |",
+            "|---|---|---|---|",
+        ]
+        for relay in floor:
+            ours = next(p for p in results[0]["per_turn"] if p.history == relay.history)
+            theirs, mine = statistics.median(relay.cpu_ms), statistics.median(ours.cpu_ms)
+            lines.append(
+                f"| {relay.history // 1000}k | {theirs:.2f} | {mine:.2f} | {mine / theirs:.1f}x |"
             )
     lines += [
         "",
@@ -671,6 +731,7 @@ def main() -> None:
     parser.add_argument("--ttft", type=int, default=30, help="streamed turns per history (0: skip)")
     parser.add_argument("--burst", type=int, default=4096, help="sessions (0: skip)")
     parser.add_argument("--burst-redis", action="store_true")
+    parser.add_argument("--no-floor", action="store_true", help="skip the minimal-relay floor")
     parser.add_argument(
         "--scale-out", default="", help="process counts on one Redis, e.g. 1,2,4 (only this)"
     )
@@ -683,6 +744,7 @@ def main() -> None:
     engine = subprocess.Popen([sys.executable, __file__, "--engine-double", str(port_file)])
     redis_proc = None
     results = []
+    floor: list[PerTurn] = []
     try:
         deadline = time.monotonic() + 60
         while not port_file.exists() or not port_file.read_text():
@@ -707,10 +769,12 @@ def main() -> None:
                 if redis_proc is not None:
                     stop_redis_server(redis_proc)
                     redis_proc = None
+        if not args.no_floor:
+            floor = floor_per_turn(engine_url, workdir, args)
     finally:
         stop(engine)
         shutil.rmtree(workdir, ignore_errors=True)
-    text = report(results, args.label, args.concurrency)
+    text = report(results, args.label, args.concurrency, floor)
     print(text)
     if args.out:
         with args.out.open("a") as fh:

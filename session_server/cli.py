@@ -116,6 +116,9 @@ def serve(args: argparse.Namespace) -> int:
         print(f"tokenkeep serve: {problem}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(), format="%(message)s")
+    # Lines are their message only: the thread and process names every LogRecord looks up
+    # were half of each request's access-log line, for fields nobody prints.
+    logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     log_mode(settings)
     # httpx logs every engine request at INFO: a second line per turn, formatted on the
     # request path, next to tokenkeep's own access log.

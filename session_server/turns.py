@@ -31,7 +31,7 @@ from array import array
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextvars import ContextVar
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NoReturn, TypeVar
 
 import numpy as np
@@ -254,6 +254,8 @@ class Plan:
     earlier: list[TurnRecord] = field(default_factory=list)
     """The turns of this turn's segment before it (whose positions the engine may serve from
     its prefix cache: `stale_cache`)."""
+    incarnation: str | None = None
+    """The session incarnation its lookup read (the stored turns are held as of it)."""
 
     @property
     def route_start(self) -> int:
@@ -513,6 +515,7 @@ class TurnService:
             else self._classify(meta, conversation, keys, found)
         )
         plan.earlier = _earlier(plan, found)
+        plan.incarnation = found.incarnation
         if rules:
             plan.volatile = volatile_parts(conversation, rules)
         plan.splice_seconds = time.perf_counter() - started
@@ -589,6 +592,7 @@ class TurnService:
             )
         plan.n_messages = 0
         plan.earlier = _earlier(plan, found)
+        plan.incarnation = found.incarnation
         plan.splice_seconds = time.perf_counter() - started
         plan.sampling = build_sampling(
             conversation, meta.sampling_overrides, self.config, self.model, prompt_length=n
@@ -1369,14 +1373,16 @@ class TurnService:
             self._sessions.pop(plan.session.session_id, None)
             raise
         cache = self._records.get(plan.session.session_id)
-        if cache is not None and plan.prompt_json:
-            cache.tokens_json = {
-                turn_id: (
-                    len(plan.prompt_ids) + len(s.token_ids),
-                    _json_extend(plan.prompt_json, s.token_ids),
-                )
-                for s, turn_id in zip(sampled, ids, strict=True)
-            }
+        if cache is not None:
+            _hold_stored(cache, plan.incarnation, records, ids)
+            if plan.prompt_json:
+                cache.tokens_json = {
+                    turn_id: (
+                        len(plan.prompt_ids) + len(s.token_ids),
+                        _json_extend(plan.prompt_json, s.token_ids),
+                    )
+                    for s, turn_id in zip(sampled, ids, strict=True)
+                }
         self.metrics.turns.labels(kind=plan.kind).inc(len(records))
         for version, count in turns_by_version(records).items():
             self.metrics.turns_by_weight_version.labels(version=version).inc(count)
@@ -1446,6 +1452,23 @@ class TurnService:
                 record.break_reason = winner.break_reason
             self.metrics.retry_races.inc()
         return await self.store.append_turns(session_id, records, keys)
+
+
+def _hold_stored(
+    cache: RecordCache, incarnation: str | None, records: list[TurnRecord], ids: list[int]
+) -> None:
+    """Keep the turns just stored in the session's record cache, as the store would decode
+    them (their ids, logprobs as the float32 the codec keeps): the next turn's lookup then
+    neither transfers nor decodes its parent. Only while the cache still holds the
+    incarnation the plan read; a turn with MoE routes is left to the store (the codec
+    narrows their integer type)."""
+    if incarnation is None or cache.incarnation != incarnation:
+        return
+    for record, turn_id in zip(records, ids, strict=True):
+        if record.routed_experts is None:
+            cache.records[turn_id] = replace(
+                record, turn_id=turn_id, logprobs=array("f", record.logprobs).tolist()
+            )
 
 
 def _earlier(plan: Plan, found: LookupResult) -> list[TurnRecord]:

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import json
 import struct
+import sys
+from array import array
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -43,7 +45,11 @@ _APIS = ("chat", "responses", "messages", "completions")
 _FINISH_REASONS = ("stop", "length", "abort", "tool_calls", "error")
 
 _NARROW_LIMIT = 1 << 24
-_WIDE_LIMIT = 1 << 32
+# Token ids and logprobs are packed with `array` rather than numpy: a turn adds tens of tokens,
+# and numpy's fixed cost per call was most of a record's encoding time at that size.
+_U32 = next(code for code in "IL" if array(code).itemsize == 4)
+_F32 = "f"
+_BIG_ENDIAN = sys.byteorder == "big"
 
 
 class CorruptRecord(ValueError):
@@ -57,41 +63,56 @@ def _code(table: tuple[str, ...], value: str) -> int:
         return 0
 
 
-def _token_array(ids: list[int], what: str) -> np.ndarray:
-    arr = np.asarray(ids)
-    if arr.size == 0:
-        return np.zeros(0, dtype=np.int64)
-    if arr.ndim != 1 or arr.dtype.kind not in "iu":
-        raise ValueError(f"{what} must be a flat list of integers")
-    if int(arr.min()) < 0 or int(arr.max()) >= _WIDE_LIMIT:
-        raise ValueError(f"{what} holds a token ID outside [0, 2**32)")
-    return arr
+def _token_array(ids: list[int], what: str) -> array[int]:
+    try:
+        return array(_U32, ids)
+    except TypeError:
+        raise ValueError(f"{what} must be a flat list of integers") from None
+    except OverflowError:
+        raise ValueError(f"{what} holds a token ID outside [0, 2**32)") from None
 
 
-def _pack_tokens(arr: np.ndarray, width: int) -> bytes:
-    as_u32 = arr.astype("<u4")
+def _little_endian(values: array[Any]) -> bytes:
+    if _BIG_ENDIAN:
+        values = array(values.typecode, values)
+        values.byteswap()
+    return values.tobytes()
+
+
+def _from_little_endian(code: str, data: bytes | bytearray) -> array[Any]:
+    values = array(code, data)
+    if _BIG_ENDIAN:
+        values.byteswap()
+    return values
+
+
+def _pack_tokens(arr: array[int], width: int) -> bytes:
+    packed = _little_endian(arr)
     if width == 4:
-        return as_u32.tobytes()
-    return as_u32.view(np.uint8).reshape(-1, 4)[:, :3].tobytes()
+        return packed
+    narrow = bytearray(packed)
+    del narrow[3::4]  # the high byte of each 32-bit id: zero below 2**24
+    return bytes(narrow)
 
 
 def _unpack_tokens(blob: bytes, offset: int, count: int, width: int) -> list[int]:
+    data = blob[offset : offset + count * width]
     if width == 4:
-        return np.frombuffer(blob, dtype="<u4", count=count, offset=offset).tolist()
-    narrow = np.frombuffer(blob, dtype=np.uint8, count=count * 3, offset=offset)
-    wide = np.zeros((count, 4), dtype=np.uint8)
-    wide[:, :3] = narrow.reshape(count, 3)
-    return wide.view("<u4").ravel().tolist()
+        return _from_little_endian(_U32, data).tolist()
+    wide = bytearray(4 * count)
+    for byte in range(3):
+        wide[byte::4] = data[byte::3]
+    return _from_little_endian(_U32, wide).tolist()
 
 
 def encode_turn(record: TurnRecord) -> bytes:
     """Pack everything but `turn_id`. Raises ValueError on malformed token data."""
     prompt = _token_array(record.prompt_delta, "prompt_delta")
     completion = _token_array(record.completion_ids, "completion_ids")
-    if len(record.logprobs) != completion.size:
-        raise ValueError(f"{len(record.logprobs)} logprobs for {completion.size} completion tokens")
-    logprobs = np.asarray(record.logprobs, dtype="<f4")
-    top = max((int(a.max()) for a in (prompt, completion) if a.size), default=0)
+    if len(record.logprobs) != len(completion):
+        raise ValueError(f"{len(record.logprobs)} logprobs for {len(completion)} completion tokens")
+    logprobs = array(_F32, record.logprobs)
+    top = max((max(a) for a in (prompt, completion) if a), default=0)
     width = 3 if top < _NARROW_LIMIT else 4
 
     kind, api, finish = (
@@ -113,7 +134,7 @@ def encode_turn(record: TurnRecord) -> bytes:
     if record.extra:
         rare["x"] = record.extra
     if record.weight_versions:
-        rare["w"] = _pack_weight_versions(record.weight_versions, completion.size)
+        rare["w"] = _pack_weight_versions(record.weight_versions, len(completion))
     rare_json = (
         json.dumps(rare, separators=(",", ":"), ensure_ascii=False).encode() if rare else b""
     )
@@ -131,8 +152,8 @@ def encode_turn(record: TurnRecord) -> bytes:
         kind,
         api,
         finish,
-        prompt.size,
-        completion.size,
+        len(prompt),
+        len(completion),
         record.n_messages,
         record.created_at,
         len(rare_json),
@@ -143,7 +164,7 @@ def encode_turn(record: TurnRecord) -> bytes:
             rare_json,
             _pack_tokens(prompt, width),
             _pack_tokens(completion, width),
-            logprobs.tobytes(),
+            _little_endian(logprobs),
             routes,
         )
     )
@@ -207,7 +228,7 @@ def decode_turn(turn_id: int, blob: bytes) -> TurnRecord:
     tokens = _unpack_tokens(blob, offset, n_prompt + n_completion, width)
     prompt, completion = tokens[:n_prompt], tokens[n_prompt:]
     offset += (n_prompt + n_completion) * width
-    logprobs = np.frombuffer(blob, dtype="<f4", count=n_completion, offset=offset).tolist()
+    logprobs = _from_little_endian(_F32, blob[offset : offset + n_completion * 4]).tolist()
     routes = _unpack_routes(turn_id, blob, expected) if routed else None
     return TurnRecord(
         turn_id=turn_id,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
@@ -232,8 +233,7 @@ def test_a_turn_through_the_lane_is_logged_and_counted(
     assert response.headers["content-type"] == "application/json"
     assert int(response.headers["content-length"]) == len(response.content)
     assert response.json()["choices"][0]["message"]["content"] == "ok"
-    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "tokenkeep.requests"]
-    line = next(x for x in lines if x["path"] == "/sessions/logged/v1/chat/completions")
+    line = _access_line(caplog, "/sessions/logged/v1/chat/completions")
     assert line | {"ms": 0} == {
         "method": "POST",
         "path": "/sessions/logged/v1/chat/completions",
@@ -243,8 +243,26 @@ def test_a_turn_through_the_lane_is_logged_and_counted(
         "api": "chat",
         "kind": "first",
     }
+    deadline = time.monotonic() + 10  # counted right after the line, on the server's thread
+    while _requests(app, "chat", "200") != before + 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert _requests(app, "chat", "200") == before + 1
     assert served == ["/sessions/logged/v1/chat/completions"]
+
+
+def _access_line(caplog: pytest.LogCaptureFixture, path: str) -> dict[str, Any]:
+    """The access-log line of the request to `path`. It is written once the answer is sent,
+    so a client may read the answer first: wait for it."""
+    deadline = time.monotonic() + 10
+    while True:
+        lines = [
+            json.loads(r.getMessage()) for r in caplog.records if r.name == "tokenkeep.requests"
+        ]
+        found = [x for x in lines if x["path"] == path]
+        if found or time.monotonic() > deadline:
+            assert found, f"no access-log line for {path}"
+            return found[-1]
+        time.sleep(0.01)
 
 
 def _counted(call: Any, served: list[str]) -> Any:
@@ -259,7 +277,7 @@ def test_an_error_names_itself_in_the_log_line(url: str, caplog: pytest.LogCaptu
     caplog.set_level(logging.INFO, logger="tokenkeep.requests")
     with httpx.Client(base_url=url, timeout=30) as client:
         assert client.post("/sessions/e/v1/completions", json={"prompt": [1], "n": 0}).is_error
-    line = json.loads(caplog.records[-1].getMessage())
+    line = _access_line(caplog, "/sessions/e/v1/completions")
     assert (line["status"], line["error"]) == (400, "n: Input should be greater than or equal to 1")
 
 
@@ -309,8 +327,7 @@ def test_an_unexpected_exception_gets_starlettes_500_and_is_logged(
     finally:
         server_log.removeHandler(caplog.handler)
     assert (response.status_code, response.text) == (500, "Internal Server Error")
-    logged = [r for r in caplog.records if r.name == "tokenkeep.requests"]
-    assert json.loads(logged[-1].getMessage())["status"] == 500
+    assert _access_line(caplog, "/sessions/boom/v1/chat/completions")["status"] == 500
     errors = [r for r in caplog.records if r.name == "uvicorn.error" and r.exc_info]
     assert errors[-1].getMessage() == "Exception in ASGI application\n"
     assert str(errors[-1].exc_info[1]) == "broken"
