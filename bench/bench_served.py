@@ -143,19 +143,23 @@ def start_server(engine_url: str, redis_url: str | None, workdir: Path) -> Serve
     if redis_url:
         command += ["--redis-url", redis_url]
     proc = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+    return _healthy(Server(proc, f"http://127.0.0.1:{port}", log), "server", 120)
+
+
+def _healthy(server: Server, what: str, timeout_s: float) -> Server:
+    """`server` once its /healthz answers 200."""
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("server exited:\n" + log.read_text()[-3000:])
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"{what} exited:\n" + server.log.read_text()[-3000:])
         try:
-            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                return Server(proc, url, log)
+            if httpx.get(server.url + "/healthz", timeout=1).status_code == 200:
+                return server
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("server did not start")
+    server.proc.kill()
+    raise RuntimeError(f"{what} did not start")
 
 
 def start_floor_relay(engine_url: str, workdir: Path) -> Server:
@@ -170,19 +174,7 @@ def start_floor_relay(engine_url: str, workdir: Path) -> Server:
     proc = subprocess.Popen(
         command, cwd=ROOT, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT
     )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError("floor relay exited:\n" + log.read_text()[-3000:])
-        try:
-            if httpx.get(url + "/healthz", timeout=1).status_code == 200:
-                return Server(proc, url, log)
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("floor relay did not start")
+    return _healthy(Server(proc, f"http://127.0.0.1:{port}", log), "floor relay", 60)
 
 
 def floor_per_turn(engine_url: str, workdir: Path, args: argparse.Namespace) -> list[PerTurn]:

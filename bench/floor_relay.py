@@ -44,6 +44,10 @@ class _Engine(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport: Any = transport
+        self.lost = False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True  # the engine closes idle keep-alive connections: connect again
 
     def data_received(self, data: bytes) -> None:
         self.parser.feed_data(data)
@@ -64,7 +68,7 @@ _engine: _Engine | None = None
 async def _generate(prompt_tokens: int) -> dict[str, Any]:
     global _engine
     loop = asyncio.get_running_loop()
-    if _engine is None:
+    if _engine is None or _engine.lost:
         host, port = os.environ["FLOOR_ENGINE"].rsplit(":", 1)
         _, _engine = await loop.create_connection(_Engine, host, int(port))
     body = orjson.dumps(

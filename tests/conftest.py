@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 
 import pytest
 from hypothesis import HealthCheck, settings
 
+from session_server.store import memory as memory_store
+from session_server.store import redis as redis_store
+from session_server.store.base import TurnRecord
 from tests.redis_server import start_redis_server, stop_redis_server
 
 # Hypothesis times each example (a 200 ms deadline) and fails slow input generation: both are
@@ -44,3 +47,20 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
     finally:
         stop_redis_server(proc)
+
+
+@pytest.fixture
+def decoded_ids(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The turn ids every store decodes from now on, in call order."""
+    calls: list[int] = []
+
+    def counting(real: Callable[[int, bytes], TurnRecord]) -> Callable[[int, bytes], TurnRecord]:
+        def decode_turn(turn_id: int, blob: bytes) -> TurnRecord:
+            calls.append(turn_id)
+            return real(turn_id, blob)
+
+        return decode_turn
+
+    for module in (memory_store, redis_store):
+        monkeypatch.setattr(module, "decode_turn", counting(module.decode_turn))
+    return calls

@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 import time
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 import pytest
@@ -25,6 +23,7 @@ from session_server.settings import Settings
 from tests.api.stack import qwen3
 from tests.engine_double import EngineDouble, ScriptedCompletion
 from tests.live_server import serving
+from tests.raw_http import connect, read_response
 from tests.real_tokenizers import qwen3_dir
 
 OK_REPLY = [562, 151645]
@@ -352,34 +351,9 @@ def test_a_draining_server_refuses_turns_and_closes_connections(
     assert refused.json()["error"]["message"] == "the server is shutting down; retry"
 
 
-def _connect(url: str) -> socket.socket:
-    parts = urlsplit(url)
-    return socket.create_connection((parts.hostname, parts.port), timeout=10)
-
-
-def _answer(sock: socket.socket) -> tuple[str, bytes]:
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        data += chunk
-    head, _, body = data.partition(b"\r\n\r\n")
-    length = int(
-        next(
-            line.split(b":")[1]
-            for line in head.split(b"\r\n")
-            if line.lower().startswith(b"content-length")
-        )
-    )
-    while len(body) < length:
-        body += sock.recv(65536)
-    return head.decode("latin-1").lower(), body
-
-
 def test_an_oversized_chunked_body_gets_413_in_the_apis_shape(url: str) -> None:
     chunk = b" " * (LIMIT + 1)
-    with _connect(url) as sock:
+    with connect(url) as sock:
         sock.sendall(
             b"POST /sessions/big/v1/messages HTTP/1.1\r\nhost: t\r\n"
             b"content-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -387,9 +361,9 @@ def test_an_oversized_chunked_body_gets_413_in_the_apis_shape(url: str) -> None:
             + chunk
             + b"\r\n"
         )
-        head, body = _answer(sock)
-    assert head.startswith("http/1.1 413")
-    assert "connection: close" in head
+        status, headers, body = read_response(sock)
+    assert status == 413
+    assert headers["connection"] == "close"
     assert json.loads(body) == {
         "type": "error",
         "error": {
@@ -404,15 +378,15 @@ def test_credentials_are_refused_before_the_body_is_read(
     keyed_url: str, key: str | None, status: int
 ) -> None:
     auth = f"authorization: Bearer {key}\r\n".encode() if key else b""
-    with _connect(keyed_url) as sock:
+    with connect(keyed_url) as sock:
         # The declared body is never sent: the answer must not wait for it.
         sock.sendall(
             b"POST /sessions/s/v1/chat/completions HTTP/1.1\r\nhost: t\r\n"
             b"content-type: application/json\r\ncontent-length: 1000\r\n" + auth + b"\r\n"
         )
-        head, body = _answer(sock)
-    assert head.startswith(f"http/1.1 {status}")
-    assert "www-authenticate: bearer" in head
+        answered, headers, body = read_response(sock)
+    assert answered == status
+    assert headers["www-authenticate"].lower().startswith("bearer")
     assert json.loads(body)["error"]["type"] == "authentication_error"
 
 

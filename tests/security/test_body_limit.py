@@ -5,49 +5,23 @@ bounded: the issue's run grew the replica to 14 GB and left it unresponsive."""
 from __future__ import annotations
 
 import json
-import socket
 import threading
 from collections.abc import Iterator
-from urllib.parse import urlsplit
 
 import pytest
 
+from tests.raw_http import connect, read_response
 from tests.security.conftest import LiveServer, health_watch
 
 BODY = 200 * 1024 * 1024
 CHUNK = b"x" * (1 << 20)
 
 
-def _connect(server: LiveServer) -> socket.socket:
-    parts = urlsplit(server.url)
-    return socket.create_connection((parts.hostname, parts.port), timeout=30)
-
-
-def _read_response(sock: socket.socket) -> tuple[int, dict]:
-    data = b""
-    while b"\r\n\r\n" not in data:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        data += chunk
-    head, _, rest = data.partition(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    status = int(lines[0].split()[1])
-    headers = dict(line.split(": ", 1) for line in lines[1:])
-    length = int(headers.get("content-length", "0"))
-    while len(rest) < length:
-        chunk = sock.recv(65536)
-        if not chunk:
-            break
-        rest += chunk
-    return status, json.loads(rest[:length])
-
-
 def _attack(server: LiveServer, head: bytes, frames: Iterator[bytes]) -> tuple[int, dict, int]:
     """Send `head`, then `frames` from another thread (as a client that streams its body
     whatever happens), while reading the answer here; returns status, body and bytes sent."""
     sent = 0
-    with _connect(server) as sock:
+    with connect(server.url) as sock:
         sock.sendall(head)
 
         def send_body() -> None:
@@ -61,7 +35,8 @@ def _attack(server: LiveServer, head: bytes, frames: Iterator[bytes]) -> tuple[i
 
         sender = threading.Thread(target=send_body, daemon=True)
         sender.start()
-        status, body = _read_response(sock)
+        status, _headers, raw = read_response(sock)
+        body = json.loads(raw)
         sender.join(30)
     return status, body, sent
 

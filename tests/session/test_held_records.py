@@ -5,32 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Callable
 
-import pytest
-
-from session_server.store import memory as memory_store
-from session_server.store import redis as redis_store
 from session_server.store.base import SessionStore, TurnRecord
 from session_server.store.redis import RedisStore
 from tests.engine_double import ScriptedCompletion
 from tests.session.conftest import Stack
-
-
-@pytest.fixture
-def decoded_ids(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    calls: list[int] = []
-
-    def counting(real: Callable[[int, bytes], TurnRecord]) -> Callable[[int, bytes], TurnRecord]:
-        def decode_turn(turn_id: int, blob: bytes) -> TurnRecord:
-            calls.append(turn_id)
-            return real(turn_id, blob)
-
-        return decode_turn
-
-    for module in (memory_store, redis_store):
-        monkeypatch.setattr(module, "decode_turn", counting(module.decode_turn))
-    return calls
 
 
 def _nan_free(values: list[float]) -> list[float | str]:

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 
-from session_server.store import memory as memory_store
-from session_server.store import redis as redis_store
 from session_server.store.base import (
     RecordCache,
     SessionNotFound,
@@ -22,23 +20,6 @@ from session_server.store.base import (
 from session_server.store.redis import RedisStore
 from tests.store.test_store import as_stored, chain
 from tests.store.turns import meta, turn
-
-
-@pytest.fixture
-def decoded_ids(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The turn ids every store decodes from now on, in call order."""
-    calls: list[int] = []
-
-    def counting(real: Callable[[int, bytes], TurnRecord]) -> Callable[[int, bytes], TurnRecord]:
-        def decode_turn(turn_id: int, blob: bytes) -> TurnRecord:
-            calls.append(turn_id)
-            return real(turn_id, blob)
-
-        return decode_turn
-
-    for module in (memory_store, redis_store):
-        monkeypatch.setattr(module, "decode_turn", counting(module.decode_turn))
-    return calls
 
 
 def assert_from_cache(records: list[TurnRecord], cache: RecordCache) -> None:
