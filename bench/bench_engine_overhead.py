@@ -4,7 +4,10 @@ The engine is the vLLM-protocol double (tests/engine_double.py) in its own proce
 numbers measure the client (request building, rendezvous, SSE parsing), not a model. Each case
 runs the same requests through a bare `httpx.AsyncClient` and through `EngineClient`; loopback
 numbers include the double's own time and the machine's noise, so `stream_parse_in_memory`
-also measures the client's SSE handling alone, from memory.
+also measures the client's SSE handling alone, from memory. The loopback cases go through the
+client's own HTTP/1.1 connection (`engine_http.py`), as served turns do; the in-memory case
+through httpx (a transport handed to `EngineClient` takes httpx's path), which changes the
+bare read, not the SSE handling measured on top of it.
 
     .venv/bin/python bench/bench_engine_overhead.py   # writes bench/results/engine_overhead.json
 """
