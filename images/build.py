@@ -136,10 +136,26 @@ def unpack(base_tar: Path, root: Path) -> None:
 # --- docker-archive config ------------------------------------------------------------------
 
 
+def _check_space(root: Path, out: Path) -> None:
+    """Refuse, before writing a byte, an archive the disk cannot hold: it is written twice
+    (mkimage's archive, then the copy with the completed config) beside the old one, and a
+    full disk would otherwise surface as a traceback halfway through a multi-GB write."""
+    size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file() and not f.is_symlink())
+    need = 2 * size + (1 << 30)
+    free = shutil.disk_usage(out.parent).free
+    if free < need:
+        raise SystemExit(
+            f"make images: {out.name} needs about {need >> 30} GiB free in {out.parent} "
+            f"(its root filesystem is {size >> 20} MiB, written twice); {free >> 30} GiB "
+            "are free. Free some space (old worktrees or virtualenvs) and run it again."
+        )
+
+
 def write_image(root: Path, ref: str, out: Path, config: dict[str, object]) -> None:
     """mkimage.py's docker-archive, with the image config completed (User, Env, Cmd...):
     mkimage names the config blob by its hash, so the blob and the manifest are rewritten."""
     tmp = out.with_suffix(".tmp")
+    _check_space(root, out)
     subprocess.run([sys.executable, str(mkimage()), str(root), ref, str(tmp)], check=True)
     with tarfile.open(tmp) as src, tarfile.open(out.with_suffix(".tmp2"), "w") as dst:
         manifest = json.load(src.extractfile("manifest.json"))  # type: ignore[arg-type]
