@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -9,6 +10,7 @@ from typing import Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from session_server.api.errors import classify, error_body
 from session_server.api.routing import dumps
@@ -53,35 +55,80 @@ async def first_then_rest(events: AsyncIterator[StreamEvent]) -> AsyncIterator[S
     return chained()
 
 
-def sse_response(
-    chunks: AsyncIterator[bytes],
-    on_error: Callable[[Exception], bytes],
-    *,
-    upstream: AsyncIterator[StreamEvent],
-) -> StreamingResponse:
-    """Stream `chunks` (formatted from `upstream`); an error after the stream started is sent
-    as one last event. When the client goes away, `upstream` is closed at once, which closes
-    the engine request and stops its generation (nothing is stored for it)."""
+class EventStream(StreamingResponse):
+    """Server-sent events: `chunks` (formatted from `upstream`) written as they come; an
+    error after the stream started is sent as one last event. When the client goes away,
+    `upstream` is closed at once, which closes the engine request and stops its generation
+    (nothing is stored for it).
 
-    async def body() -> AsyncIterator[bytes]:
+    Driven by hand rather than by Starlette's `StreamingResponse.__call__`: under an ASGI 2.3
+    server (uvicorn) that runs the stream and a disconnect listener in an anyio task group
+    (two tasks, cancel scopes, a task repr built for every cancel), ~0.1 ms a streamed turn.
+    Here the request's own task writes the chunks and one watcher task waits for the
+    client's disconnect, which cancels the writer; that cancellation is absorbed (the
+    client is gone: nothing left to answer), any other propagates."""
+
+    def __init__(
+        self,
+        chunks: AsyncIterator[bytes],
+        on_error: Callable[[Exception], bytes],
+        upstream: AsyncIterator[StreamEvent],
+    ) -> None:
+        super().__init__(
+            chunks,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self.chunks = chunks
+        self.on_error = on_error
+        self.upstream = upstream
+        self.finished = False
+        self.client_gone = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        writer = asyncio.current_task()
+        assert writer is not None
+        watcher = asyncio.get_running_loop().create_task(self._watch(receive, writer))
         try:
-            async for chunk in chunks:
-                yield chunk
-        except Exception as exc:  # the status line is gone: report in-band, as vLLM does
-            status, message, _param, _kind = classify(exc)
-            log.warning(
-                dumps({"event": "stream_failed", "status": status, "error": message}).decode()
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": self.status_code,
+                    "headers": self.raw_headers,
+                }
             )
-            yield on_error(exc)
+            try:
+                async for chunk in self.chunks:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            except Exception as exc:  # the status line is gone: report in-band, as vLLM does
+                status, message, _param, _kind = classify(exc)
+                log.warning(
+                    dumps({"event": "stream_failed", "status": status, "error": message}).decode()
+                )
+                await send(
+                    {"type": "http.response.body", "body": self.on_error(exc), "more_body": True}
+                )
+            finally:
+                await self.chunks.aclose()  # type: ignore[attr-defined]
+                await self.upstream.aclose()  # type: ignore[attr-defined]
+            self.finished = True
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if self.client_gone and writer.uncancel() == 0:
+                return
+            raise
         finally:
-            await chunks.aclose()  # type: ignore[attr-defined]
-            await upstream.aclose()  # type: ignore[attr-defined]
+            watcher.cancel()
 
-    return StreamingResponse(
-        body(),
-        media_type="text/event-stream",
-        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-    )
+    async def _watch(self, receive: Receive, writer: asyncio.Task[Any]) -> None:
+        try:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+        except Exception:  # a receive that fails tells no disconnect: the writer goes on
+            return
+        if not self.finished:
+            self.client_gone = True
+            writer.cancel()
 
 
 MAX_IDEMPOTENCY_KEY_BYTES = 255
@@ -138,4 +185,4 @@ async def serve_turn(
         request.state.turn_kind = result.kind
         return reply(result)
     events = await first_then_rest(stream())
-    return sse_response(frames(events), on_error, upstream=events)
+    return EventStream(frames(events), on_error, events)
