@@ -6,7 +6,8 @@ first user message of 1k/8k/32k tokens, then turns that resend the whole history
 30-token user message; Chat Completions, non-streaming; a 7-token reply) and is measured the
 same way from outside:
 
-- the gateway process's own CPU per turn (`/proc/<pid>/task/*/schedstat` around each request);
+- the gateway process's own CPU per turn (`/proc/<pid>/task/*/schedstat` around each request,
+  read until the process is idle, so work after the reply, such as logging, counts);
 - the engine's CPU per turn, because the systems ask different work of it: tokenkeep sends
   token IDs to vLLM's token-in endpoint (`/inference/v1/generate`); rllm-model-gateway and
   LiteLLM forward the messages to `/v1/chat/completions`, where the engine renders the chat
@@ -254,7 +255,7 @@ def measure(
         for session in group:  # the first turn (the whole history is new): shown apart
             before = server.cpu_ns()
             reply = post(session, server.chat(session.id))
-            row.first_turn_ms = max(row.first_turn_ms, (server.cpu_ns() - before) / 1e6)
+            row.first_turn_ms = max(row.first_turn_ms, (server.settled_cpu_ns() - before) / 1e6)
             session.answered(reply)
         session = group[0]
         session.answered(post(session, server.chat(session.id)))  # warm the paths
@@ -263,7 +264,8 @@ def measure(
             body = session.body(texts)
             g0, e0, t0 = server.cpu_ns(), engine.cpu_ns(), time.perf_counter()
             response = client.post(server.chat(session.id), json=body)
-            t1, g1, e1 = time.perf_counter(), server.cpu_ns(), engine.cpu_ns()
+            t1 = time.perf_counter()
+            g1, e1 = server.settled_cpu_ns(), engine.settled_cpu_ns()
             response.raise_for_status()
             reply = response.json()
             row.gateway_ms.append((g1 - g0) / 1e6)

@@ -6,7 +6,8 @@ engine's time dominate and hide the server's), and this load generator. The figu
 matters is the server process's own CPU time, read from /proc:
 
 - per turn (p50/p95): one request at a time, each bracketed by the server's on-CPU time
-  (`/proc/<pid>/task/*/schedstat`, nanoseconds) — a harness that resends the whole history
+  (`/proc/<pid>/task/*/schedstat`, nanoseconds, read again until the server is idle: the
+  access log line and metrics after the reply count) — a harness that resends the whole history
   (system prompt + one big first message of 1k/32k/128k tokens + the turns so far) and adds a
   30-token user message; the engine answers 7 tokens at once;
 - turns/s per core: many sessions at once, total turns / server CPU seconds (`/proc/<pid>/stat`);
@@ -116,6 +117,20 @@ class Server:
             with contextlib.suppress(FileNotFoundError, ProcessLookupError):
                 total += int((task / "schedstat").read_text().split()[0])
         return total
+
+    def settled_cpu_ns(self, limit_s: float = 0.05) -> int:
+        """`cpu_ns` once the process has stopped working: what it does after the reply has
+        left (the access log line, metrics) belongs to the turn too, and a client that has
+        read the reply can get here before the server has done it."""
+        now = self.cpu_ns()
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            time.sleep(0.001)
+            later = self.cpu_ns()
+            if later == now:
+                break
+            now = later
+        return now
 
     def rss_bytes(self) -> int:
         for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
@@ -299,7 +314,7 @@ def per_turn_cpu(
             )
             response = client.send(request, stream=True)
             raw = response.read()
-            after = server.cpu_ns()
+            after = server.settled_cpu_ns()
             response.raise_for_status()
             if stream:
                 lines = [json.loads(line[6:]) for line in raw.splitlines() if line[6:7] == b"{"]
