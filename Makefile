@@ -61,7 +61,7 @@ images: $(STAMP) engine node-deps
 # `images` (root, mmdebstrap, containerd: node-deps); `make test-cluster` runs it alone.
 test: $(STAMP) engine browser k8s-deps images
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=25
 
 test-cluster: images
 	$(PY) -m pytest -q -ra -s tests/cluster

@@ -7,8 +7,9 @@ the text a client assembles from the stream is the non-streamed message. Then th
 the real server and each API's official SDK (the engine double streams one token per chunk):
 the message the SDK client assembles equals the non-streamed one field by field.
 
-Gemma 3 is not in the matrix: no Gemma tokenizer with a chat template is available offline
-here (the real-engine tier runs the Gemma 3 base model, which has none)."""
+The other families (gpt-oss, Qwen 3.5, GLM, DeepSeek, MiniMax) are checked streamed against
+non-streamed on the check corpus in `test_family_paths.py`, and all 61 templates in the
+bench matrix (`bench/support_matrix.py`)."""
 
 from __future__ import annotations
 
