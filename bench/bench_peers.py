@@ -284,7 +284,7 @@ def report(rows: list[Row], turns: int) -> str:
     now = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         f"Run {now} on {platform.machine()}, CPython {platform.python_version()}, "
-        f"{os.cpu_count()} cores shared with other busy worktrees, load average "
+        f"{os.cpu_count()} cores, load average "
         f"{' / '.join(f'{x:.1f}' for x in os.getloadavg())} at the end; {turns} measured turns "
         "per system and history (4 sessions), non-streaming Chat Completions, 7-token reply.",
         "",

@@ -630,7 +630,7 @@ def report(
         f"## {label}",
         "",
         f"Run {now} on {platform.machine()}, CPython {platform.python_version()}, "
-        f"{os.cpu_count()} cores shared with other busy worktrees, load average "
+        f"{os.cpu_count()} cores, load average "
         f"{' / '.join(f'{x:.1f}' for x in os.getloadavg())} at the end (absolute figures are "
         "noisy; compare rows of one run).",
         "",
