@@ -63,7 +63,8 @@ class EventStream(StreamingResponse):
 
     Driven by hand rather than by Starlette's `StreamingResponse.__call__`: under an ASGI 2.3
     server (uvicorn) that runs the stream and a disconnect listener in an anyio task group
-    (two tasks, cancel scopes, a task repr built for every cancel), ~0.1 ms a streamed turn.
+    (two tasks, cancel scopes, a task repr built for every cancel): 0.3 ms of server CPU a
+    streamed turn, measured paired (`bench/results/served.md`, issue 22's third pass).
     Here the request's own task writes the chunks and one watcher task waits for the
     client's disconnect, which cancels the writer; that cancellation is absorbed (the
     client is gone: nothing left to answer), any other propagates."""
@@ -79,7 +80,6 @@ class EventStream(StreamingResponse):
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-        self.chunks = chunks
         self.on_error = on_error
         self.upstream = upstream
         self.finished = False
@@ -98,7 +98,7 @@ class EventStream(StreamingResponse):
                 }
             )
             try:
-                async for chunk in self.chunks:
+                async for chunk in self.body_iterator:
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
             except Exception as exc:  # the status line is gone: report in-band, as vLLM does
                 status, message, _param, _kind = classify(exc)
@@ -109,7 +109,7 @@ class EventStream(StreamingResponse):
                     {"type": "http.response.body", "body": self.on_error(exc), "more_body": True}
                 )
             finally:
-                await self.chunks.aclose()  # type: ignore[attr-defined]
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
                 await self.upstream.aclose()  # type: ignore[attr-defined]
             self.finished = True
             await send({"type": "http.response.body", "body": b"", "more_body": False})
