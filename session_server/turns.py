@@ -86,6 +86,7 @@ from session_server.store.base import (
     TurnRecord,
     WeightSpan,
 )
+from session_server.store.codec import stored_logprobs
 from session_server.streaming import ReplyStreamer
 
 # Set by the auth middleware for a request that a session key (not the admin key, not
@@ -1467,7 +1468,7 @@ def _hold_stored(
     for record, turn_id in zip(records, ids, strict=True):
         if record.routed_experts is None:
             cache.records[turn_id] = replace(
-                record, turn_id=turn_id, logprobs=array("f", record.logprobs).tolist()
+                record, turn_id=turn_id, logprobs=stored_logprobs(record.logprobs)
             )
 
 

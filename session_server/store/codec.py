@@ -63,6 +63,11 @@ def _code(table: tuple[str, ...], value: str) -> int:
         return 0
 
 
+def stored_logprobs(values: list[float]) -> list[float]:
+    """Logprobs as a stored record gives them back: float32, the width the codec keeps."""
+    return array(_F32, values).tolist()
+
+
 def _token_array(ids: list[int], what: str) -> array[int]:
     try:
         return array(_U32, ids)
