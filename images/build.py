@@ -43,6 +43,7 @@ from pathlib import Path
 
 from session_server import __version__
 from session_server.devtools import localengine
+from session_server.devtools.shared import shared_k8s_dir
 
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "dist" / "images"
@@ -97,11 +98,9 @@ def tree_digest(paths: Iterable[Path]) -> str:
 
 def mkimage() -> Path:
     explicit = os.environ.get("TOKENKEEP_MKIMAGE")
-    candidates = (
-        [Path(explicit)] if explicit else [p / "shared/k8s/mkimage.py" for p in REPO.parents]
-    )
-    found = next((c for c in candidates if c.is_file()), None)
-    if found is None:
+    k8s = shared_k8s_dir()
+    found = Path(explicit) if explicit else (k8s / "mkimage.py" if k8s else None)
+    if found is None or not found.is_file():
         raise SystemExit("make images: no shared/k8s/mkimage.py found (set TOKENKEEP_MKIMAGE)")
     return found
 

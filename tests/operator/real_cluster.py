@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 import yaml
 
+from session_server.devtools.shared import shared_k8s_dir
 from tests.operator.conftest import REPO_ROOT
 from tests.operator.helm_binary import helm_binary
 
@@ -44,10 +45,9 @@ MERGE = "application/merge-patch+json"
 
 def k8s_dir() -> Path | None:
     """The shared folder with the Kubernetes binaries: `$TOKENKEEP_K8S_DIR`, else the nearest
-    `shared/k8s` beside the checkout or one of its parents."""
-    explicit = os.environ.get("TOKENKEEP_K8S_DIR")
-    candidates = [Path(explicit)] if explicit else [p / "shared" / "k8s" for p in REPO_ROOT.parents]
-    return next((c for c in candidates if (c / "start-cluster.sh").is_file()), None)
+    `shared/k8s` (`session_server.devtools.shared`)."""
+    found = shared_k8s_dir(os.environ.get("TOKENKEEP_K8S_DIR"))
+    return found if found is not None and (found / "start-cluster.sh").is_file() else None
 
 
 def missing_prerequisites() -> str | None:
