@@ -73,12 +73,13 @@ class Metrics:
         )
         self.rejections = Counter(
             "tokenkeep_rejected_requests",
-            "Generation requests refused before running, by reason "
-            "(queue_full, queue_timeout, draining, policy_lag).",
+            "Generation requests refused before running, by reason (queue_full, "
+            "queue_timeout, draining, policy_lag, session_finished: also counts a turn whose "
+            "generation was cut by its session's finish, stored nowhere).",
             ["reason"],
             registry=r,
         )
-        for reason in ("queue_full", "queue_timeout", "draining", "policy_lag"):
+        for reason in ("queue_full", "queue_timeout", "draining", "policy_lag", "session_finished"):
             self.rejections.labels(reason=reason)  # a series from the start, at 0
         self.retry_races = Counter(
             "tokenkeep_retry_races",

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import hmac
 import itertools
 import logging
 import math
@@ -79,6 +80,7 @@ from session_server.store.base import (
     RecordCache,
     RoutedExperts,
     SessionExists,
+    SessionFinished,
     SessionMeta,
     SessionNotFound,
     SessionStore,
@@ -89,9 +91,11 @@ from session_server.store.base import (
 from session_server.store.codec import stored_logprobs
 from session_server.streaming import ReplyStreamer
 
-# Set by the auth middleware for a request that a session key (not the admin key, not
-# protected mode) let in: such a request must never land in a re-created, keyless session.
-session_key_request: ContextVar[bool] = ContextVar("session_key_request", default=False)
+# Set by the auth middleware, for a request that a session key (not the admin key, not
+# protected mode) let in, to the SHA-256 digest of that key: such a request must never land
+# in a session that key does not open (re-created, keyless or with a new key, through
+# another server whose deletion this process's cached metadata has not seen).
+session_key_request: ContextVar[str | None] = ContextVar("session_key_request", default=None)
 
 RESPONSE_KEY_PREFIX = "resp:"
 # Above these sizes a conversation's hashing and rendering run in a worker thread (the
@@ -111,6 +115,10 @@ CLOCK_SKEW_S = 5.0
 clocks disagree by much less under NTP)."""
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+class _Recreated(Exception):
+    """The session was deleted and created again behind this process's cached metadata."""
 
 
 class SessionMissing(LookupError):
@@ -332,12 +340,18 @@ class TurnService:
             return False
         return current > start + lag
 
-    async def finish(self, session_id: str, finish: Finish) -> None:
-        """Mark the session finished, keeping the version that sampled its first turn
-        (finished listings show the policy lag from it). Raises as `finish_session`."""
+    async def finish(self, session_id: str, finish: Finish) -> int:
+        """Freeze the session as it is stored now: its finish (keeping the version that
+        sampled its first turn, from which finished listings show the policy lag) is set
+        atomically with respect to appends, so no turn is stored after it and an export taken
+        now is final. Then its generations still in flight, here and on every server sharing
+        the store, are cut: they can no longer be stored, and their clients are answered
+        `session_finished` (409). Returns how many were cut on this server. Raises as
+        `finish_session` (AlreadyFinished: nothing frozen, nothing cut)."""
         first = (await self.store.get_turns(session_id, [1]))[0]
         finish.first_weight_version = first_weight_version([first] if first else [])
         await self.store.finish_session(session_id, finish)
+        return await self.abort(session_id)
 
     def _check_policy_lag(self, found: LookupResult) -> None:
         """Refuse, before any engine call, a turn of a rollout that drifted too far
@@ -360,6 +374,26 @@ class TurnService:
             )
 
     # --- sessions -------------------------------------------------------------------
+
+    async def keyed_session(
+        self, session_id: str, opens: Callable[[SessionMeta], bool]
+    ) -> SessionMeta | None:
+        """The session's metadata if `opens` accepts it (a session key checked against its
+        digest), else None. A refusal by the cached metadata is checked again against the
+        store, which replaces the cache: the session may have been deleted and created again
+        with a new key through another server. So a new key is never refused by a stale
+        cache, and a wrong key costs one store read whether or not the session exists (its
+        answer time says nothing about that). A stale cache that accepts an old key is caught
+        by the turn's lookup (`_check_current`)."""
+        cached = self._sessions.get(session_id)
+        if cached is not None and opens(cached):
+            return cached
+        meta = await self.store.get_session(session_id)
+        if meta is None:
+            self._sessions.pop(session_id, None)
+            return None
+        self._remember(meta)
+        return meta if opens(meta) else None
 
     async def session(self, session_id: str, *, create: bool | None = None) -> SessionMeta:
         cached = self._sessions.get(session_id)
@@ -428,6 +462,7 @@ class TurnService:
         return cache
 
     def _remember(self, meta: SessionMeta) -> None:
+        self._sessions.pop(meta.session_id, None)
         if len(self._sessions) >= self.config.max_sessions_cached:
             self._sessions.pop(next(iter(self._sessions)))
         self._sessions[meta.session_id] = meta
@@ -460,12 +495,42 @@ class TurnService:
         self, session_id: str, attempt: Callable[[], Awaitable[Plan]]
     ) -> Plan:
         """Plan once more if the session expired or was deleted behind the cached metadata
-        (then it is created again, when sessions are created on first use)."""
+        (then it is created again, when sessions are created on first use), or was deleted
+        and created again (the plan is then made with the new session's metadata: its
+        sampling overrides, its rules, and its key, which must open it)."""
         try:
+            return await attempt()
+        except _Recreated:
+            self._sessions.pop(session_id, None)
+            digest = session_key_request.get()
+            if digest:
+                meta = await self.store.get_session(session_id)
+                if meta is None or not hmac.compare_digest(meta.key_hash, digest):
+                    raise Refused(
+                        401, "wrong or expired API key", kind="authentication_error"
+                    ) from None
             return await attempt()
         except SessionNotFound:
             self._forget(session_id)
             return await attempt()
+
+    def _check_current(self, meta: SessionMeta, found: LookupResult) -> None:
+        """Before anything is generated: the session the lookup read is the one `meta`
+        describes (not deleted and created again since it was cached), and it is not
+        finished (a finished rollout is final)."""
+        if found.incarnation != meta.incarnation:
+            raise _Recreated(meta.session_id)
+        if found.finished:
+            raise self._finished(meta.session_id)
+
+    def _finished(self, session_id: str) -> Refused:
+        self.metrics.rejections.labels(reason="session_finished").inc()
+        return Refused(
+            409,
+            f"session {session_id!r} is finished: a finished rollout takes no more turns "
+            "(nothing was stored)",
+            kind="session_finished",
+        )
 
     def _forget(self, session_id: str) -> None:
         """The session is gone behind this process's cached metadata (deleted or expired
@@ -475,7 +540,7 @@ class TurnService:
         a loopback client in protected mode, gets a new session as for any unknown id."""
         cached = self._sessions.pop(session_id, None)
         self._records.pop(session_id, None)
-        if cached is None or (cached.key_hash and session_key_request.get()):
+        if cached is None or (cached.key_hash and session_key_request.get() is not None):
             raise SessionNotFound(session_id)
 
     async def _plan_messages(
@@ -509,6 +574,7 @@ class TurnService:
                 keys.input_key,
                 known=self._record_cache(session_id),
             )
+        self._check_current(meta, found)
         self._check_policy_lag(found)
         plan = (
             await asyncio.to_thread(self._classify, meta, conversation, keys, found)
@@ -564,6 +630,7 @@ class TurnService:
             token_input_key(prompt_ids),
             known=self._record_cache(session_id),
         )
+        self._check_current(meta, found)
         self._check_policy_lag(found)
         n = len(prompt_ids)
         if found.retry_of is not None:
@@ -1373,6 +1440,8 @@ class TurnService:
         except SessionNotFound:
             self._sessions.pop(plan.session.session_id, None)
             raise
+        except SessionFinished:
+            raise self._finished(plan.session.session_id) from None
         cache = self._records.get(plan.session.session_id)
         if cache is not None:
             _hold_stored(cache, plan.incarnation, records, ids)
@@ -1433,10 +1502,15 @@ class TurnService:
         generating, on any replica): then these turns are retries, siblings of that
         request's, never a second root or a second continuation."""
         session_id = plan.session.session_id
+        # Only into the session the plan was made from: not one deleted and created again
+        # meanwhile, whose turn ids restart (SessionNotFound).
+        incarnation = plan.incarnation
         if plan.kind == "retry":
-            return await self.store.append_turns(session_id, records, keys)
+            return await self.store.append_turns(session_id, records, keys, incarnation=incarnation)
         try:
-            return await self.store.append_turns(session_id, records, keys, unless_key=keys[0][1])
+            return await self.store.append_turns(
+                session_id, records, keys, unless_key=keys[0][1], incarnation=incarnation
+            )
         except KeyTaken as taken:
             (winner,) = await self.store.get_turns(session_id, [taken.turn_id])
         same_prompt = winner is not None and (
@@ -1452,7 +1526,7 @@ class TurnService:
                 record.kind = "retry"
                 record.break_reason = winner.break_reason
             self.metrics.retry_races.inc()
-        return await self.store.append_turns(session_id, records, keys)
+        return await self.store.append_turns(session_id, records, keys, incarnation=incarnation)
 
 
 def _hold_stored(

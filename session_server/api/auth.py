@@ -23,7 +23,6 @@ import hashlib
 import hmac
 import re
 import secrets
-from typing import Any
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -32,13 +31,15 @@ from session_server.api import errors
 from session_server.api.session_ids import (
     API_KEY_PREFIX,
     SESSION_KEY_PREFIX,
+    AmbiguousCredentials,
     InvalidSessionId,
     check_session_id,
-    presented_key,
+    presented,
     session_of_key,
 )
 from session_server.settings import Settings, is_loopback
-from session_server.turns import SessionMissing, TurnService, session_key_request
+from session_server.store.base import SessionMeta
+from session_server.turns import TurnService, session_key_request
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 ANY_CREDENTIAL_PATHS = frozenset({"/v1/models", "/tokenize", "/detokenize"})
@@ -90,7 +91,7 @@ class Guard:
         except Exception as exc:  # the store could not be asked about a session key
             refusal = errors.classify(exc)[:2]
         if refusal is None:
-            marked = session_key_request.set(scope.get("tokenkeep.session_key", False))
+            marked = session_key_request.set(scope.get("tokenkeep.session_key"))
             try:
                 await self.app(scope, receive, send)
             finally:
@@ -104,6 +105,12 @@ class Guard:
 
     async def _refusal(self, scope: Scope) -> tuple[int, str] | None:
         settings = self.settings
+        # Parsed here for every request (protected mode too), once: the front-ends read the
+        # same result, so the key checked is the key whose session is served.
+        try:
+            found = presented(scope)
+        except AmbiguousCredentials as exc:
+            return 400, str(exc)
         if not settings.admin_key:
             client = scope.get("client")
             if settings.insecure or is_loopback(client[0] if client else None):
@@ -112,44 +119,46 @@ class Guard:
                 "protected mode: this server has no admin key, so it answers loopback "
                 "clients only (configure --admin-key, or --insecure)"
             )
-        headers = _headers(scope)
-        key = presented_key(headers.get("x-api-key"), headers.get("authorization"))
+        key = found.key
         if not key:
             return 401, "missing API key (Authorization: Bearer <key> or x-api-key: <key>)"
         if _same(key, settings.admin_key):
             return None
-        holder = await self._key_session(key)
+        holder, digest = await self._key_session(key)
         if holder is None:
             return 401, "wrong or expired API key"
         path = scope["path"]
         if path in ANY_CREDENTIAL_PATHS:
             return None
         if path.startswith(("/v1/", "/inference/v1/")):
-            target = (headers.get("x-session-id") or "").strip() or holder
+            target = found.session_header or holder
         elif match := _SESSION_PATH.match(path):
             target = match.group(1)
         else:
             return 403, "this endpoint needs the admin key; a session key opens its model APIs"
         if target != holder:
             return 403, "this API key opens only its own session"
-        scope["tokenkeep.session_key"] = True
+        scope["tokenkeep.session_key"] = digest
         return None
 
-    async def _key_session(self, key: str) -> str | None:
-        """The session a session credential opens, or None if it opens nothing."""
+    async def _key_session(self, key: str) -> tuple[str | None, str | None]:
+        """The session a session credential opens (None if it opens nothing), and the
+        digest of the key when it is a session key (checked again by the turn's lookup;
+        "" for a `tk-` key, which any holder of the session id can derive)."""
         if key.startswith(API_KEY_PREFIX) and self.settings.session_id_keys:
-            return key[len(API_KEY_PREFIX) :]
+            return key[len(API_KEY_PREFIX) :], ""
         session_id = session_of_key(key)
         if session_id is None:
-            return None
+            return None, None
         try:
-            meta = await self.service.session(check_session_id(session_id), create=False)
-        except (SessionMissing, InvalidSessionId):
-            return None
-        if not meta.key_hash or not _same(meta.key_hash, key_digest(key)):
-            return None
-        return session_id
+            check_session_id(session_id)
+        except InvalidSessionId:
+            return None, None
+        digest = key_digest(key)
 
+        def opens(meta: SessionMeta) -> bool:
+            return bool(meta.key_hash) and _same(meta.key_hash, digest)
 
-def _headers(scope: Scope) -> dict[str, Any]:
-    return {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        if await self.service.keyed_session(session_id, opens) is None:
+            return None, None
+        return session_id, digest

@@ -16,7 +16,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from session_server.api.session_ids import InvalidSessionId, MissingSessionId
+from session_server.api.session_ids import (
+    AmbiguousCredentials,
+    InvalidSessionId,
+    MissingSessionId,
+)
 from session_server.conversation import ConversationError
 from session_server.engines import EngineError
 from session_server.store.base import SessionNotFound, StoreUnavailable, UnknownParent
@@ -126,6 +130,8 @@ def classify(exc: Exception) -> tuple[int, str, str | None, str | None]:
         return exc.status, str(exc), exc.param, None
     if isinstance(exc, Refused):
         return exc.status, str(exc), exc.param, exc.kind
+    if isinstance(exc, AmbiguousCredentials):
+        return 400, str(exc), exc.header, None
     if isinstance(exc, InvalidSessionId | MissingSessionId):
         return 400, str(exc), "session_id", None
     if isinstance(exc, SessionMissing | SessionNotFound):
@@ -173,6 +179,7 @@ def install(app: FastAPI) -> None:
 
     for exc_type in (
         APIError,
+        AmbiguousCredentials,
         ConversationError,
         InvalidSessionId,
         MissingSessionId,

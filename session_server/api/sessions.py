@@ -310,10 +310,10 @@ async def finish_session(
         status=body.status,
     )
     try:
-        await turn_service(request).finish(session_id, finish)
+        cut = await turn_service(request).finish(session_id, finish)
     except AlreadyFinished as exc:
         raise APIError(409, f"session {session_id!r} is already finished") from exc
-    return {"id": session_id, "finish": _finish_json(finish)}
+    return {"id": session_id, "finish": _finish_json(finish), "in_flight_cut": cut}
 
 
 class AbortSession(BaseModel):
@@ -336,17 +336,20 @@ async def abort_session(
     still queued for a slot excepted)."""
     body = body or AbortSession()
     await _existing(request, session_id)
-    store = turn_service(request).store
-    if await store.get_finish(session_id) is not None:
-        raise APIError(409, f"session {session_id!r} is finished; nothing to abort")
-    aborted = await turn_service(request).abort(session_id)
+    service = turn_service(request)
     finish = None
     if body.finish:
+        # Frozen first, atomically: an abort racing another finish changes nothing and
+        # cuts nothing (409); the generations it then cuts are stored nowhere (see finish).
         finish = Finish(finished_at=time.time(), metadata={"status": "aborted"}, status="aborted")
         try:
-            await turn_service(request).finish(session_id, finish)
+            aborted = await service.finish(session_id, finish)
         except AlreadyFinished as exc:
             raise APIError(409, f"session {session_id!r} is already finished") from exc
+    else:
+        if await service.store.get_finish(session_id) is not None:
+            raise APIError(409, f"session {session_id!r} is finished; nothing to abort")
+        aborted = await service.abort(session_id)
     return {"id": session_id, "aborted": aborted, "finish": _finish_json(finish)}
 
 

@@ -1,10 +1,13 @@
 -- Atomic append of the sibling turns of one request (session_server/store/redis.py).
 -- KEYS: meta, turns, index, parents.
--- ARGV: token (16 hex digits, random per append), n_turns, segments, tokens, n_breaks,
+-- ARGV: token (16 hex digits, random per append), incarnation ('' = any: the append is
+--       refused as 'gone' unless the session is that incarnation), n_turns, segments,
+--       tokens, n_breaks,
 --       break_reason x n_breaks,
 --       then per turn: parent_id (0 = root), record, n_keys, key x n_keys,
 --       then optionally unless_key: store nothing if that index key is stored already.
--- Reply: {'ok', first_id} | {'gone'} | {'parent', parent_id} | {'taken', turn_id}.
+-- Reply: {'ok', first_id} | {'gone'} | {'finished'} | {'parent', parent_id} |
+--        {'taken', turn_id}. A finished session ('fin' set by finish.lua) takes no turn.
 -- Keys 'idem:<k>' (an Idempotency-Key's reply) replace the pending claim 'idp:<k>'.
 -- The meta field 'acks' remembers the last 32 appends as token + first id (8 hex digits):
 -- a client that lost the reply and sends the same append again (same token) gets the ids
@@ -17,12 +20,17 @@ if acks then
   if at and (at - 1) % 24 == 0 then
     return {'ok', tonumber(string.sub(acks, at + 16, at + 23), 16)}
   end
-elseif redis.call('EXISTS', meta) == 0 then
+end
+local state = redis.call('HMGET', meta, 'inc', 'turns')
+if not state[2] or (ARGV[2] ~= '' and state[1] ~= ARGV[2]) then
   return {'gone'}
 end
-local n = tonumber(ARGV[2])
-local n_breaks = tonumber(ARGV[5])
-local first_turn_arg = 6 + n_breaks
+if redis.call('HEXISTS', meta, 'fin') == 1 then
+  return {'finished'}
+end
+local n = tonumber(ARGV[3])
+local n_breaks = tonumber(ARGV[6])
+local first_turn_arg = 7 + n_breaks
 
 -- Every check comes before the first write: Redis does not roll back a failed script.
 local pos = first_turn_arg
@@ -62,10 +70,10 @@ for _ = 1, n do
   end
   pos = pos + 3 + n_keys
 end
-redis.call('HINCRBY', meta, 'segments', ARGV[3])
-redis.call('HINCRBY', meta, 'tokens', ARGV[4])
+redis.call('HINCRBY', meta, 'segments', ARGV[4])
+redis.call('HINCRBY', meta, 'tokens', ARGV[5])
 for b = 1, n_breaks do
-  redis.call('HINCRBY', meta, 'b:' .. ARGV[5 + b], 1)
+  redis.call('HINCRBY', meta, 'b:' .. ARGV[6 + b], 1)
 end
 
 local ttl_ms = redis.call('HGET', meta, 'ttl_ms')

@@ -94,6 +94,10 @@ class SessionMeta:
     """The rollout group (the G samples of one prompt) this session belongs to."""
     group_size: int | None = None
     """How many sessions the group has: it is complete when that many are finished."""
+    incarnation: str | None = field(default=None, compare=False)
+    """The incarnation token the store gave this creation of the session (filled in by
+    `create_session` / `get_session`, not part of the stored metadata): a server that caches
+    the metadata compares it with a lookup's to notice a delete and re-create elsewhere."""
 
 
 def new_incarnation() -> str:
@@ -156,6 +160,8 @@ class LookupResult:
     incarnation: str | None = None
     """The session's incarnation token (None only for a Redis session created by a server
     version that predates incarnations: such a session never uses a cache)."""
+    finished: bool = False
+    """The session is finished: nothing more may be appended to it."""
 
 
 @dataclass(slots=True)
@@ -221,6 +227,10 @@ class SessionExists(ValueError):
 
 class AlreadyFinished(ValueError):
     """`finish_session` on a session that is finished already; nothing was changed."""
+
+
+class SessionFinished(ValueError):
+    """`append_turns` to a finished session: a finished rollout is final; nothing was stored."""
 
 
 class UnknownParent(ValueError):
@@ -330,13 +340,16 @@ class SessionStore(Protocol):
         keys: list[list[str]],
         *,
         unless_key: str | None = None,
+        incarnation: str | None = None,
     ) -> list[int]:
         """Atomically store `turns` (the sibling choices of one request), allocate their
         ids, index turn `i` under every key in `keys[i]` (reply key, input key, response
         id...; a key already stored keeps its first turn, but for `IDEMPOTENCY_DONE` keys,
         which replace a pending claim), refresh the session's TTL and update its counters.
         Returns the allocated ids in order. Either everything is stored or nothing is.
-        Raises SessionNotFound if the session is gone, UnknownParent if a turn's parent_id
+        Raises SessionNotFound if the session is gone (or, with `incarnation`, if the session
+        is not that incarnation any more: deleted and created again since it was read),
+        SessionFinished if it is finished, UnknownParent if a turn's parent_id
         is not in the session, KeyTaken if `unless_key` is already stored (checked in the
         same atomic step: two identical requests never both store a root), ValueError on
         malformed turns (no turns, a key list per turn missing, token IDs outside
@@ -388,8 +401,10 @@ class SessionStore(Protocol):
         ...
 
     async def finish_session(self, session_id: str, finish: Finish) -> None:
-        """Mark the session finished (it then appears in `list_finished`). Raises
-        SessionNotFound, or AlreadyFinished (changing nothing). The TTL is left as it is."""
+        """Mark the session finished (it then appears in `list_finished`), atomically with
+        respect to `append_turns`: every append after it raises SessionFinished, so an export
+        taken at finish is the rollout's last word. Raises SessionNotFound, or AlreadyFinished
+        (changing nothing). The TTL is left as it is."""
         ...
 
     async def get_finish(self, session_id: str) -> Finish | None:

@@ -284,11 +284,13 @@ def stored_tokens(record: TurnRecord) -> int:
 
 
 def encode_meta(meta: SessionMeta) -> bytes:
-    return json.dumps(asdict(meta), separators=(",", ":"), ensure_ascii=False).encode()
+    fields = asdict(meta)
+    del fields["incarnation"]  # the store keeps it beside the metadata, not inside it
+    return json.dumps(fields, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-def decode_meta(blob: bytes) -> SessionMeta:
-    return SessionMeta(**json.loads(blob))
+def decode_meta(blob: bytes, incarnation: str | None = None) -> SessionMeta:
+    return SessionMeta(**json.loads(blob), incarnation=incarnation)
 
 
 def encode_finish(finish: Finish) -> bytes:

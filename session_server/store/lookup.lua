@@ -6,7 +6,8 @@
 --       (one argument, not one per key: packing arguments costs the client per argument),
 --       [input_key].
 -- Reply: false when the session does not exist, else the flat array
---   turn_count, incarnation ('' = none), matched (1-based, 0 = none), children of the match,
+--   turn_count, incarnation ('' = none), finished (1 or 0), matched (1-based, 0 = none),
+--   children of the match,
 --   n, path ids root-first (n of them),
 --   retry_id (0 = none), m, ids of retry_id's path root-first ending with retry_id (m),
 --   then id, record, id, record ... once for every record on either path that the caller
@@ -84,14 +85,14 @@ local function add_path(id, out)
 end
 
 -- Deepest key first: the usual hit is one of the last keys, so this stops early.
-local reply = {turn_count, incarnation, 0, 0}
+local reply = {turn_count, incarnation, redis.call('HEXISTS', meta, 'fin'), 0, 0}
 local hit = 0
 for i = n, 1, -1 do
   local id = redis.call('HGET', index, reply_key(i))
   if id then
     hit = tonumber(id)
-    reply[3] = i
-    reply[4] = tonumber(redis.call('HGET', parents, 'c' .. id) or '0')
+    reply[4] = i
+    reply[5] = tonumber(redis.call('HGET', parents, 'c' .. id) or '0')
     break
   end
 end

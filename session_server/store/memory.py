@@ -22,6 +22,7 @@ from session_server.store.base import (
     RecordCache,
     SessionCounters,
     SessionExists,
+    SessionFinished,
     SessionMeta,
     SessionNotFound,
     TurnRecord,
@@ -134,11 +135,11 @@ class MemoryStore:
         )
         session.touch(self._clock())
         self._sessions[meta.session_id] = session
-        return decode_meta(packed)
+        return decode_meta(packed, session.incarnation)
 
     async def get_session(self, session_id: str) -> SessionMeta | None:
         session = self._live(session_id)
-        return None if session is None else decode_meta(session.meta)
+        return None if session is None else decode_meta(session.meta, session.incarnation)
 
     async def delete_session(self, session_id: str) -> bool:
         if self._live(session_id) is None:
@@ -196,6 +197,7 @@ class MemoryStore:
             turn_count=len(session.records),
             parent_children=session.children.get(parent_path[-1].turn_id, 0) if parent_path else 0,
             incarnation=session.incarnation,
+            finished=session.finish is not None,
         )
 
     async def append_turns(
@@ -205,9 +207,14 @@ class MemoryStore:
         keys: list[list[str]],
         *,
         unless_key: str | None = None,
+        incarnation: str | None = None,
     ) -> list[int]:
         batch = encode_append(turns, keys)
         session = self._require(session_id)
+        if incarnation is not None and incarnation != session.incarnation:
+            raise SessionNotFound(session_id)
+        if session.finish is not None:
+            raise SessionFinished(session_id)
         for parent in batch.parents:
             if parent and parent not in session.records:
                 raise UnknownParent(f"session {session_id} has no turn {parent}")

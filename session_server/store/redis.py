@@ -63,6 +63,7 @@ from session_server.store.base import (
     RecordCache,
     SessionCounters,
     SessionExists,
+    SessionFinished,
     SessionMeta,
     SessionNotFound,
     StoreUnavailable,
@@ -282,12 +283,14 @@ class RedisStore:
         created = await self._call(lambda: self._write(self._create, keys, args))
         if not created:
             raise SessionExists(meta.session_id)
-        return decode_meta(packed)
+        return decode_meta(packed, args[2])
 
     async def get_session(self, session_id: str) -> SessionMeta | None:
         meta_key = self.session_keys(session_id)[0]
-        packed = await self._call(lambda: self._redis.hget(meta_key, "meta"))
-        return None if packed is None else decode_meta(packed)
+        packed, incarnation = await self._call(lambda: self._redis.hmget(meta_key, ["meta", "inc"]))
+        if packed is None:
+            return None
+        return decode_meta(packed, incarnation.decode() if incarnation else None)
 
     async def delete_session(self, session_id: str) -> bool:
         keys = [*self.session_keys(session_id), self._images_key(session_id)]
@@ -337,9 +340,9 @@ class RedisStore:
         if reply is None:
             raise SessionNotFound(session_id)
 
-        turn_count, matched, children, n_path = reply[0], reply[2], reply[3], reply[4]
+        turn_count, finished, matched, children, n_path = reply[0], *reply[2:6]
         incarnation = reply[1].decode() or None
-        pos = 5
+        pos = 6
         path_ids = reply[pos : pos + n_path]
         pos += n_path
         retry_id, n_retry = reply[pos], reply[pos + 1]
@@ -370,6 +373,7 @@ class RedisStore:
             turn_count=turn_count,
             parent_children=children,
             incarnation=incarnation,
+            finished=bool(finished),
         )
 
     async def append_turns(
@@ -379,10 +383,12 @@ class RedisStore:
         keys: list[list[str]],
         *,
         unless_key: str | None = None,
+        incarnation: str | None = None,
     ) -> list[int]:
         batch = encode_append(turns, keys)
         args: list[bytes | str | int] = [
             secrets.token_hex(8),
+            incarnation or "",
             len(batch.blobs),
             batch.segments,
             batch.tokens,
@@ -398,6 +404,8 @@ class RedisStore:
         status = reply[0]
         if status == b"gone":
             raise SessionNotFound(session_id)
+        if status == b"finished":
+            raise SessionFinished(session_id)
         if status == b"taken":
             raise KeyTaken(int(reply[1]))
         if status == b"parent":

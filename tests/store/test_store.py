@@ -11,8 +11,10 @@ import time
 import pytest
 
 from session_server.store.base import (
+    Finish,
     SessionCounters,
     SessionExists,
+    SessionFinished,
     SessionNotFound,
     SessionStore,
     TurnRecord,
@@ -50,6 +52,40 @@ async def test_create_get_delete(store: SessionStore) -> None:
     assert await store.delete_session("s1") is True
     assert await store.get_session("s1") is None
     assert await store.delete_session("s1") is False
+
+
+async def test_each_creation_of_an_id_has_its_own_incarnation(store: SessionStore) -> None:
+    first = await store.create_session(meta("s1"))
+    assert first.incarnation and (await store.get_session("s1")).incarnation == first.incarnation
+    assert await store.append_turns("s1", [turn(None)], [["a"]], incarnation=first.incarnation) == [
+        1
+    ]
+    assert (await store.lookup("s1", ["a"], None)).incarnation == first.incarnation
+    await store.delete_session("s1")
+    second = await store.create_session(meta("s1"))
+    assert second.incarnation not in (None, first.incarnation)
+    assert (await store.get_session("s1")).incarnation == second.incarnation
+    # An append planned against the first creation never lands in the second.
+    with pytest.raises(SessionNotFound):
+        await store.append_turns("s1", [turn(None)], [["b"]], incarnation=first.incarnation)
+    assert await store.all_turns("s1") == []
+    assert (
+        await store.append_turns("s1", [turn(None)], [["b"]], incarnation=second.incarnation)
+    ) == [1]
+
+
+async def test_a_finished_session_takes_no_turn(store: SessionStore) -> None:
+    await store.create_session(meta("s"))
+    (a,) = await store.append_turns("s", [turn(None)], [["a"]])
+    assert not (await store.lookup("s", ["a"], None)).finished
+    before = (await store.counters("s"), await store.all_turns("s"))
+    await store.finish_session("s", Finish(finished_at=time.time(), reward=1.0))
+    assert (await store.lookup("s", ["a"], None)).finished
+    for unless_key in (None, "b"):
+        with pytest.raises(SessionFinished):
+            await store.append_turns("s", [turn(a)], [["b"]], unless_key=unless_key)
+    assert (await store.counters("s"), await store.all_turns("s")) == before
+    assert await store.resolve_key("s", "b") is None
 
 
 async def test_recreated_session_starts_empty(store: SessionStore) -> None:
