@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+import orjson
 import re2
 
 if TYPE_CHECKING:
@@ -368,10 +369,16 @@ def check_normalization_cost(conversation: Conversation, rules: list[Rule]) -> N
 
 
 def text_chars(conversation: Conversation) -> int:
-    """Characters of text in a request that would be tokenized (an upper bound)."""
+    """Characters of text in a request that would be tokenized (an upper bound). Tool
+    definitions count too: every template writes them into the prompt (their schemas as
+    JSON), so megabytes of tools would otherwise be rendered and tokenized before the
+    context refused them."""
     return sum(
         len(m.content or "")
         + len(m.reasoning or "")
         + sum(len(c.arguments) + len(c.name) for c in m.tool_calls)
         for m in conversation.messages
+    ) + sum(
+        len(t.name) + len(t.description) + len(orjson.dumps(t.parameters).decode())
+        for t in conversation.tools
     )
