@@ -36,6 +36,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         ("--max-queue", int, "requests that may wait for a slot (TOKENKEEP_MAX_QUEUE)"),
         ("--queue-timeout-s", float, "longest wait for a slot (TOKENKEEP_QUEUE_TIMEOUT_S)"),
         ("--body-timeout-s", float, "longest read of a request body (TOKENKEEP_BODY_TIMEOUT_S)"),
+        ("--max-header-bytes", int, "largest request head (TOKENKEEP_MAX_HEADER_BYTES)"),
         (
             "--keep-alive-s",
             float,
