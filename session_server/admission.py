@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from starlette.requests import Request
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from session_server.api.errors import error_response
 from session_server.metrics import Metrics
@@ -115,15 +115,30 @@ class AdmissionMiddleware:
             return
         # When it arrived: an abort of its session recorded while it waits here cuts it.
         scope.setdefault("state", {})["arrived"] = time.time()
+        # The body is read before a slot is taken: a client that sends headers and a few
+        # bytes holds its connection (until the body timeout, api/limits.py), not a slot.
+        chunks: list[bytes] = []
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # gone before its request was all there: nothing to answer
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        pending = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay() -> Message:
+            return pending.pop() if pending else await receive()
+
         try:
             await self.admission.acquire()
         except Rejected as exc:
             response: Any = error_response(
-                Request(scope, receive), exc.status, exc.message, retry_after_s=exc.retry_after_s
+                Request(scope, replay), exc.status, exc.message, retry_after_s=exc.retry_after_s
             )
             await response(scope, receive, send)
             return
         try:
-            await self.app(scope, receive, send)
+            await self.app(scope, replay, send)
         finally:
             self.admission.release()

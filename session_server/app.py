@@ -145,7 +145,9 @@ def create_app(settings: Settings, service: TurnService | None = None) -> LanedF
     # whatever the answer was, refusals included.
     app.add_middleware(AdmissionMiddleware, admission=admission)
     app.add_middleware(Guard, settings=settings, service=service)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(
+        BodyLimit, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s
+    )
     app.add_middleware(AccessLog, metrics=service.metrics, admission=admission)
     return app
 

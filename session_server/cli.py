@@ -8,12 +8,6 @@ import os
 import sys
 from typing import Any
 
-# How long an idle client connection stays open. It must outlast the clients' own pool expiry
-# (httpx and the OpenAI/Anthropic SDKs: 5 s, aiohttp: 15 s): with uvicorn's default of 5 s the
-# server closed connections that a busy client was just reusing, and that request got no
-# response at all.
-KEEP_ALIVE_S = 75
-
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="run the session server")
@@ -41,6 +35,18 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         ("--max-inflight", int, "generation requests run at once (TOKENKEEP_MAX_INFLIGHT)"),
         ("--max-queue", int, "requests that may wait for a slot (TOKENKEEP_MAX_QUEUE)"),
         ("--queue-timeout-s", float, "longest wait for a slot (TOKENKEEP_QUEUE_TIMEOUT_S)"),
+        ("--body-timeout-s", float, "longest read of a request body (TOKENKEEP_BODY_TIMEOUT_S)"),
+        ("--max-header-bytes", int, "largest request head (TOKENKEEP_MAX_HEADER_BYTES)"),
+        (
+            "--keep-alive-s",
+            float,
+            "idle client connections close after this (TOKENKEEP_KEEP_ALIVE_S)",
+        ),
+        (
+            "--header-timeout-s",
+            float,
+            "longest read of a request's headers (TOKENKEEP_HEADER_TIMEOUT_S)",
+        ),
         (
             "--engine-max-inflight",
             int,
@@ -123,6 +129,7 @@ def serve(args: argparse.Namespace) -> int:
     # httpx logs every engine request at INFO: a second line per turn, formatted on the
     # request path, next to tokenkeep's own access log.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.root.level))
+    from session_server.api.limits import TimedHttpProtocol
     from session_server.app import GracefulServer, create_app
 
     app = create_app(settings)
@@ -134,7 +141,8 @@ def serve(args: argparse.Namespace) -> int:
         port=settings.port,
         log_level=settings.log_level,
         access_log=False,
-        timeout_keep_alive=KEEP_ALIVE_S,
+        timeout_keep_alive=settings.keep_alive_s,  # type: ignore[arg-type]
+        http=TimedHttpProtocol.configured(settings.header_timeout_s, settings.max_header_bytes),
         # A rollout burst connects all at once: uvicorn's 2048 backlog would leave the rest
         # to SYN retries (1 s, 3 s, ...). The kernel caps it at net.core.somaxconn.
         backlog=max(2048, settings.max_inflight + settings.max_queue),

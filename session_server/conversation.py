@@ -14,10 +14,13 @@ import ast
 import functools
 import hashlib
 import json
+import threading
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+import orjson
 import re2
 
 if TYPE_CHECKING:
@@ -178,17 +181,69 @@ def parse_arguments(arguments: str | dict[str, Any] | None) -> Any:
         return text
 
 
+class Memo:
+    """A least-recently-used memo bounded by the bytes it holds, keyed by a digest of what
+    was asked (16 bytes however long that was): keyed by the text itself, as
+    `functools.lru_cache` is, a memo of N entries could hold N request bodies. A value over
+    `max_entry_bytes` is not kept. Thread-safe (conversions run in worker threads)."""
+
+    def __init__(self, max_bytes: int, max_entry_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.max_entry_bytes = max_entry_bytes
+        self.bytes = 0
+        self._entries: OrderedDict[bytes, tuple[Any, int]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: bytes) -> Any:
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            self._entries.move_to_end(key)
+            return entry[0]
+
+    def put(self, key: bytes, value: Any, size: int) -> None:
+        size += len(key) + _ENTRY_OVERHEAD
+        if size > self.max_entry_bytes:
+            return
+        with self._lock:
+            if key in self._entries:
+                return
+            self._entries[key] = (value, size)
+            self.bytes += size
+            while self.bytes > self.max_bytes:
+                self.bytes -= self._entries.popitem(last=False)[1][1]
+
+
+_ENTRY_OVERHEAD = 120
+"""Bytes a memo entry costs beyond its key and value (dict slot, tuple, bytes headers)."""
+
+
+def digest_of(*texts: str) -> bytes:
+    """A memo key for these texts: each length-prefixed, so no two sequences share one."""
+    h = hashlib.blake2b(digest_size=16)
+    for text in texts:
+        data = text.encode("utf-8", "surrogatepass")
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.digest()
+
+
+# Every request resends every earlier tool call: a long session would otherwise parse and
+# re-serialise the same arguments once per message per turn. Arguments past 64 KiB (a file a
+# tool writes) are parsed again each time rather than kept.
+_ARGUMENTS = Memo(max_bytes=32 << 20, max_entry_bytes=64 << 10)
+
+
 def canonical_arguments(arguments: str | dict[str, Any] | None) -> str:
-    if isinstance(arguments, str):
-        return _canonical_argument_text(arguments)
-    return _canonical(parse_arguments(arguments))
-
-
-@functools.lru_cache(maxsize=65536)
-def _canonical_argument_text(arguments: str) -> str:
-    """Memoised: every request resends every earlier tool call, so a long session would
-    otherwise parse and re-serialise the same arguments once per message per turn."""
-    return _canonical(parse_arguments(arguments))
+    if not isinstance(arguments, str):
+        return _canonical(parse_arguments(arguments))
+    key = digest_of(arguments)
+    canonical: str | None = _ARGUMENTS.get(key)
+    if canonical is None:
+        canonical = _canonical(parse_arguments(arguments))
+        _ARGUMENTS.put(key, canonical, len(canonical))
+    return canonical
 
 
 def _canonical(value: Any) -> str:
@@ -224,20 +279,26 @@ def tools_fingerprint(tools: list[Tool]) -> bytes:
     return "\x1e".join(canonical).encode("utf-8", "surrogatepass")
 
 
+# 64k messages' digests in ~10 MiB.
+_DIGESTS = Memo(max_bytes=10 << 20, max_entry_bytes=1 << 10)
+
+
 def message_digest(message: Message, rules: list[Rule] | None = None) -> bytes:
     """A short hash of the message's fingerprint. Memoised (without rules): every request
     resends the whole history, so a long session would otherwise canonicalise and hash the
     same tool outputs once per message per turn."""
     if rules or message.images:
         return _hash(message_fingerprint(message, rules))
-    calls = tuple((c.name, c.arguments) for c in message.tool_calls)
-    return _memo_digest(message.role, message.content, calls)
-
-
-@functools.lru_cache(maxsize=8192)
-def _memo_digest(role: str, content: str, calls: tuple[tuple[str, str], ...]) -> bytes:
-    message = Message(role, content, tool_calls=[ToolCall("", n, a) for n, a in calls])  # type: ignore[arg-type]
-    return _hash(message_fingerprint(message))
+    key = digest_of(
+        message.role,
+        message.content or "",
+        *(text for c in message.tool_calls for text in (c.name, c.arguments)),
+    )
+    digest: bytes | None = _DIGESTS.get(key)
+    if digest is None:
+        digest = _hash(message_fingerprint(message))
+        _DIGESTS.put(key, digest, len(digest))
+    return digest
 
 
 def _hash(data: bytes) -> bytes:
@@ -368,10 +429,16 @@ def check_normalization_cost(conversation: Conversation, rules: list[Rule]) -> N
 
 
 def text_chars(conversation: Conversation) -> int:
-    """Characters of text in a request that would be tokenized (an upper bound)."""
+    """Characters of text in a request that would be tokenized (an upper bound). Tool
+    definitions count too: every template writes them into the prompt (their schemas as
+    JSON), so megabytes of tools would otherwise be rendered and tokenized before the
+    context refused them."""
     return sum(
         len(m.content or "")
         + len(m.reasoning or "")
         + sum(len(c.arguments) + len(c.name) for c in m.tool_calls)
         for m in conversation.messages
+    ) + sum(
+        len(t.name) + len(t.description) + len(orjson.dumps(t.parameters).decode())
+        for t in conversation.tools
     )

@@ -15,6 +15,7 @@ sends the same image, whatever the data URL around it looked like.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hashlib
@@ -37,11 +38,15 @@ SUPPORTED_FORMATS = {
     "GIF": "image/gif",
 }
 MAX_IMAGE_BYTES = 20 << 20
-MAX_IMAGE_PIXELS = 8192 * 8192
+# Read from the image's header before a pixel is decoded: a few KB of PNG can declare 8192 x
+# 8192 pixels (a decompression bomb: a second of CPU and hundreds of MB to decode). 32 Mi
+# pixels still takes an 8K (7680 x 4320) screenshot; the processor resizes far below it.
+MAX_IMAGE_PIXELS = 32 << 20
 MAX_ASPECT_RATIO = 200  # the processor refuses more extreme shapes
 
 
 MAX_IMAGES_PER_REQUEST = 64
+TEXT_ONLY = "the served model takes no images (text-only)"
 
 
 class ImageTooLarge(ConversationError):
@@ -52,7 +57,7 @@ class ImageTooLarge(ConversationError):
 
 @dataclass(frozen=True, slots=True)
 class ImageInput:
-    """One image as a client sent it."""
+    """One image as a client sent it (its header read; its pixels decoded by `verify`)."""
 
     data: bytes
     mime: str
@@ -65,55 +70,77 @@ class ImageInput:
         return f"data:{self.mime};base64,{base64.b64encode(self.data).decode('ascii')}"
 
 
-# Harnesses resend every screenshot of the history on every turn: bytes already checked are
-# known by their hash and not decoded again (bounded; oldest forgotten first).
-_KNOWN_IMAGES: dict[str, tuple[str, int, int]] = {}
+# Harnesses resend every screenshot of the history on every turn: bytes already decoded are
+# known by their hash (a digest: 64 characters a key, however big the image) and not decoded
+# again (bounded; oldest forgotten first).
+_KNOWN_IMAGES: dict[str, None] = {}
 _KNOWN_MAX = 1024
 
 
-def decode_image(data: bytes, *, param: str | None = None) -> ImageInput:
-    """Check and describe image bytes: a supported format that decodes, within the limits."""
+def read_image(data: bytes, *, param: str | None = None) -> ImageInput:
+    """Check and describe image bytes from their header only (no pixel is decoded): a
+    supported format within the limits. `verify` decodes them."""
     if len(data) > MAX_IMAGE_BYTES:
         raise ImageTooLarge(
             f"image is {len(data)} bytes; at most {MAX_IMAGE_BYTES} bytes", param=param
         )
-    sha256 = hashlib.sha256(data).hexdigest()
-    known = _KNOWN_IMAGES.get(sha256)
-    if known is None:
-        known = _check(data, param)
-        if len(_KNOWN_IMAGES) >= _KNOWN_MAX:
-            _KNOWN_IMAGES.pop(next(iter(_KNOWN_IMAGES)))
-        _KNOWN_IMAGES[sha256] = known
-    mime, width, height = known
-    return ImageInput(data=data, mime=mime, width=width, height=height, sha256=sha256)
-
-
-def _check(data: bytes, param: str | None) -> tuple[str, int, int]:
     try:
         with Image.open(io.BytesIO(data)) as image:
             fmt = image.format or ""
-            if fmt not in SUPPORTED_FORMATS:
-                raise ConversationError(
-                    f"unsupported image format {fmt or 'unknown'}; send "
-                    f"{', '.join(sorted(SUPPORTED_FORMATS))}",
-                    param=param,
-                )
             width, height = image.size
-            if width * height > MAX_IMAGE_PIXELS:
-                raise ConversationError(
-                    f"image is {width}x{height}; at most {MAX_IMAGE_PIXELS} pixels", param=param
-                )
-            image.load()  # a truncated or corrupt body fails here, not in the engine
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as exc:
-        if isinstance(exc, ConversationError):
-            raise
+    # PIL refuses sizes far over its own bound at open (DecompressionBombError) and may be
+    # made to raise its warning: both are a client's image, not a server error.
+    except (
+        UnidentifiedImageError,
+        OSError,
+        SyntaxError,
+        ValueError,
+        Image.DecompressionBombError,
+        Image.DecompressionBombWarning,
+    ) as exc:
         raise ConversationError(f"image cannot be decoded: {exc}", param=param) from exc
+    if fmt not in SUPPORTED_FORMATS:
+        raise ConversationError(
+            f"unsupported image format {fmt or 'unknown'}; send "
+            f"{', '.join(sorted(SUPPORTED_FORMATS))}",
+            param=param,
+        )
+    if width * height > MAX_IMAGE_PIXELS:
+        raise ConversationError(
+            f"image is {width}x{height}; at most {MAX_IMAGE_PIXELS} pixels", param=param
+        )
     if min(width, height) < 1 or max(width, height) / min(width, height) > MAX_ASPECT_RATIO:
         raise ConversationError(
             f"image is {width}x{height}; the aspect ratio must be under {MAX_ASPECT_RATIO}",
             param=param,
         )
-    return SUPPORTED_FORMATS[fmt], width, height
+    sha256 = hashlib.sha256(data).hexdigest()
+    return ImageInput(data, SUPPORTED_FORMATS[fmt], width, height, sha256)
+
+
+def verify(images: list[ImageInput]) -> None:
+    """Decode each image not decoded before: a truncated or corrupt body fails here, not in
+    the engine. CPU-bound (PIL releases the GIL while it decodes): run it off the event
+    loop, and only for a request that passed every cheaper check."""
+    for image in images:
+        if image.sha256 in _KNOWN_IMAGES:
+            continue
+        try:
+            with Image.open(io.BytesIO(image.data)) as opened:
+                opened.load()
+        except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+            raise ConversationError(f"image cannot be decoded: {exc}", param="messages") from exc
+        if len(_KNOWN_IMAGES) >= _KNOWN_MAX:
+            # Requests verify in worker threads: another may have forgotten it already.
+            _KNOWN_IMAGES.pop(next(iter(_KNOWN_IMAGES), ""), None)
+        _KNOWN_IMAGES[image.sha256] = None
+
+
+def decode_image(data: bytes, *, param: str | None = None) -> ImageInput:
+    """Check, describe and decode image bytes (`read_image`, then `verify`)."""
+    image = read_image(data, param=param)
+    verify([image])
+    return image
 
 
 def image_media_type(data: bytes) -> str:
@@ -179,6 +206,18 @@ def check_count(messages: list[Message]) -> None:
         )
 
 
+async def admit(messages: list[Message], takes_images: bool) -> None:
+    """A converted request's images, before any of their pixels is decoded: refused for a
+    text-only model, then decoded in a worker thread (what the front-ends read so far is
+    each image's header, and their count is checked)."""
+    images = [image for m in messages for image in m.images]
+    if not images:
+        return
+    if not takes_images:
+        raise ConversationError(TEXT_ONLY, param="messages")
+    await asyncio.to_thread(verify, images)
+
+
 def decode_base64(payload: str, *, param: str | None = None) -> ImageInput:
     if len(payload) > (MAX_IMAGE_BYTES * 4) // 3 + 4:
         raise ImageTooLarge(f"image is over {MAX_IMAGE_BYTES} bytes", param=param)
@@ -186,7 +225,7 @@ def decode_base64(payload: str, *, param: str | None = None) -> ImageInput:
         data = base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise ConversationError(f"image is not valid base64: {exc}", param=param) from exc
-    return decode_image(data, param=param)
+    return read_image(data, param=param)
 
 
 @dataclass(frozen=True, slots=True)

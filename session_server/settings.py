@@ -42,9 +42,9 @@ class Settings(BaseSettings):
     max_queue: int = 8192
     """Generation requests that may wait for a slot; more are refused with 429. Sized for an
     RL step's rollout burst (4,096 at once, like vLLM's own unbounded queue): a waiting
-    request costs its connection and up to uvicorn's 64 KiB read buffer of its body
-    (bench/results/served.md measures it), so the default bounds the queue's memory to well
-    under 1 GiB."""
+    request costs its connection and its body, read before it queues (a request is admitted
+    only once its body is there, so that slow senders hold no slot): typical turn bodies of
+    tens of KiB keep a full queue under 1 GiB; bodies near --max-body-bytes multiply that."""
     queue_timeout_s: float = 600.0
     """How long a request may wait for a slot before 503 (the engine request timeout: a burst
     drains at the engine's pace, and waiting here is what vLLM would do with it)."""
@@ -81,6 +81,21 @@ class Settings(BaseSettings):
     """With no admin key, answer every client, not only loopback ones."""
     max_body_bytes: int = Field(default=8 << 20, ge=1024)
     """Largest request body accepted; larger ones get 413 before they are read."""
+    body_timeout_s: float = Field(default=60.0, gt=0)
+    """A request's whole body must arrive within this many seconds of its headers, else 408
+    (8 MiB takes well under a second on any link a rollout runs over). A generation request
+    waits for an admission slot only once its body is read, so slow bodies hold no slot."""
+    keep_alive_s: float = Field(default=75.0, gt=0)
+    """How long an idle client connection stays open between requests. It must outlast the
+    clients' own pool expiry (httpx and the OpenAI/Anthropic SDKs: 5 s, aiohttp: 15 s): with
+    uvicorn's default of 5 s the server closed connections that a busy client was just
+    reusing, and that request got no response at all."""
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    """A request's headers must be complete within this many seconds of its first byte (or
+    of the connection's opening), else the connection is closed: uvicorn has no such bound,
+    so connections that never finished a request were kept for ever."""
+    max_header_bytes: int = Field(default=64 << 10, ge=1024)
+    """Largest request line + headers accepted; past it the connection is closed."""
     log_level: str = "info"
     reasoning_item_key: str | None = None
     """Signs the `encrypted_content` of Responses reasoning items; unset, a random key per

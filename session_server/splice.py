@@ -39,7 +39,7 @@ from session_server.conversation import (
     ToolCall,
     canonical_text,
 )
-from session_server.images import PlaceholderRun, expand, vision_spec, vision_tokens
+from session_server.images import TEXT_ONLY, PlaceholderRun, expand, vision_spec, vision_tokens
 from session_server.toolsyntax import (
     LEARNING_TOOLS,
     LearnedToolParser,
@@ -279,9 +279,7 @@ class ChatModel:
         if not any(m.images for m in messages):
             return False
         if self.vision is None:
-            raise ConversationError(
-                "the served model takes no images (text-only)", param="messages"
-            )
+            raise ConversationError(TEXT_ONLY, param="messages")
         return True
 
     def _expand(

@@ -204,6 +204,8 @@ class EngineDouble:
     """Streams whose body finished or was abandoned by the client (vLLM aborts those)."""
     streams_abandoned: int = 0
     """Streams the client left before their last token (the engine stopped generating)."""
+    requests_cancelled: int = 0
+    """Requests whose client hung up while they waited for `latency_s` (vLLM aborts them)."""
     prefix_cache: bool = False
     """Report `usage.prompt_tokens_details.cached_tokens` (vLLM with
     --enable-prompt-tokens-details) as a prefix cache of 16-token blocks that never evicts
@@ -251,6 +253,7 @@ class EngineDouble:
             self.chunk_delay_s = 0.0
             self.streams_ended = 0
             self.streams_abandoned = 0
+            self.requests_cancelled = 0
             self.generate_endpoint = True
             self.report_prompt = None
             self.prefix_cache = False
@@ -533,8 +536,8 @@ class EngineDouble:
             completions = self._completions_for(prompt, sampling)
         except LookupError as exc:
             return JSONResponse(_error_body(str(exc), "InternalServerError", 500), status_code=500)
-        if self.latency_s:
-            await asyncio.sleep(self.latency_s)
+        if self.latency_s and await self._client_left_within(request, self.latency_s):
+            return Response(status_code=499)  # nobody to answer: vLLM aborted it
         request_id = _request_id("generate-tokens-")
         want_logprobs = sampling.get("logprobs") is not None
         prompt_out = self._reported(prompt) if body.get("return_token_ids") else None
@@ -557,6 +560,19 @@ class EngineDouble:
             chunk_delay_s=self.chunk_delay_s,
             on_close=self._stream_ended,
         )
+
+    async def _client_left_within(self, request: Request, seconds: float) -> bool:
+        """Wait `seconds` (the time to generate), watching the connection as vLLM's
+        `with_cancellation` does: a client that hangs up aborts its request."""
+        try:
+            async with asyncio.timeout(seconds):
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+        except TimeoutError:
+            return False
+        with self._lock:
+            self.requests_cancelled += 1
+        return True
 
     def _cache(self, prompt: list[int], completions: list[ScriptedCompletion]) -> int | None:
         if not self.prefix_cache:

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import gc
+import json
+import tracemalloc
+
 import pytest
 
 from session_server.conversation import (
     Conversation,
     ConversationError,
+    Memo,
     Message,
     Tool,
     ToolCall,
     canonical_arguments,
     compile_rules,
     lineage,
+    message_digest,
     message_fingerprint,
 )
 
@@ -78,3 +84,35 @@ def test_normalization_rules_make_volatile_parts_equal() -> None:
     assert message_fingerprint(a, rules) == message_fingerprint(b, rules)
     with pytest.raises(ConversationError):
         compile_rules([{"pattern": "("}])
+
+
+def test_memos_keep_digests_not_the_texts_clients_sent() -> None:
+    """The per-process memos (message digests, canonical tool arguments) must not keep what
+    every request sent: 40 distinct 1 MB messages and tool arguments leave little behind
+    once their requests are gone (keyed by the texts, they kept all of it: ~120 MB)."""
+    tracemalloc.start()
+    try:
+        gc.collect()
+        before = tracemalloc.get_traced_memory()[0]
+        for k in range(40):
+            text = f"{k:08d}" + "x" * (1 << 20)
+            first = message_digest(Message("user", text))
+            assert message_digest(Message("user", text)) == first  # still memoised
+            canonical_arguments(json.dumps({"path": "f", "content": text}))
+            del text
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert kept < 4 << 20, kept
+
+
+def test_a_memo_stays_within_its_bytes() -> None:
+    memo = Memo(max_bytes=4096, max_entry_bytes=1024)
+    for k in range(100):
+        memo.put(k.to_bytes(16, "little"), "v" * 200, 200)
+    assert memo.bytes <= 4096
+    assert memo.get((99).to_bytes(16, "little")) == "v" * 200  # the newest are kept
+    assert memo.get((0).to_bytes(16, "little")) is None
+    memo.put(b"k" * 16, "v" * 2000, 2000)  # over the entry bound: not kept
+    assert memo.get(b"k" * 16) is None

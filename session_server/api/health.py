@@ -9,6 +9,7 @@ from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from session_server import images
 from session_server.api import turn_service
 from session_server.api.chat import (
     ChatCompletionRequest,
@@ -85,6 +86,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
             ChatCompletionRequest(messages=body.messages or [], tools=body.tools)
         )
         service.check_fits(text_chars(conversation), len(conversation.messages))
+        await images.admit(conversation.messages, model.vision is not None)
         tokens = model.render_prompt(conversation.messages, conversation.tools)
     config = service.config
     return {"count": len(tokens), "max_model_len": config.context_length, "tokens": tokens}

@@ -35,6 +35,9 @@ from pydantic import TypeAdapter, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
+from session_server import images
+from session_server.conversation import Conversation
+
 T = TypeVar("T")
 
 # ~1,000 JSON objects are ~1-2 ms of validation and conversion here (an 8 MiB body of tiny
@@ -47,12 +50,17 @@ def off_loop_body(raw: bytes) -> bool:
     return len(raw) > OFF_LOOP_BYTES or raw.count(b"{") > OFF_LOOP_OBJECTS
 
 
-async def convert(request: Request, fn: Callable[..., T], *args: Any) -> T:
+async def convert(request: Request, fn: Callable[..., Conversation], *args: Any) -> Conversation:
     """`fn(*args)`, in a worker thread when the request's body was big enough to be
-    validated in one (a front-end's conversion of it costs about as much again)."""
+    validated in one (a front-end's conversion of it costs about as much again); then its
+    images' pixels, decoded in a worker thread once the request is known to take them (the
+    conversion read their headers and counted them)."""
     if request.scope.get("tokenkeep.off_loop"):
-        return await asyncio.to_thread(fn, *args)
-    return fn(*args)
+        conversation = await asyncio.to_thread(fn, *args)
+    else:
+        conversation = fn(*args)
+    await images.admit(conversation.messages, request.app.state.turns.model.vision is not None)
+    return conversation
 
 
 def dumps(payload: Any) -> bytes:

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from session_server.api.errors import classify, error_body
@@ -19,6 +19,8 @@ from session_server.results import StreamEvent, TurnResult
 
 log = logging.getLogger("tokenkeep.requests")
 DONE = b"data: [DONE]\n\n"
+CLIENT_CLOSED = 499
+"""The access log's status of a turn whose client hung up before its answer (nginx's)."""
 
 
 def data_line(payload: dict[str, Any]) -> bytes:
@@ -82,13 +84,11 @@ class EventStream(StreamingResponse):
         )
         self.on_error = on_error
         self.upstream = upstream
-        self.finished = False
-        self.client_gone = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         writer = asyncio.current_task()
         assert writer is not None
-        watcher = asyncio.get_running_loop().create_task(self._watch(receive, writer))
+        watch = DisconnectWatch(receive, writer)
         try:
             await send(
                 {
@@ -111,24 +111,43 @@ class EventStream(StreamingResponse):
             finally:
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
                 await self.upstream.aclose()  # type: ignore[attr-defined]
-            self.finished = True
+            watch.armed = False  # all generated: a disconnect now cuts nothing
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
-            if self.client_gone and writer.uncancel() == 0:
+            if watch.cut(writer):
                 return
             raise
         finally:
-            watcher.cancel()
+            watch.stop()
 
-    async def _watch(self, receive: Receive, writer: asyncio.Task[Any]) -> None:
+
+class DisconnectWatch:
+    """Cancels `task` when the client disconnects (while `armed`): the engine request it
+    awaits is closed with it, which is how vLLM learns to stop (it aborts a request whose
+    connection closes), and the admission slot is freed. The task absorbs that cancellation
+    with `cut` (the client is gone: nothing left to answer); any other propagates."""
+
+    def __init__(self, receive: Receive, task: asyncio.Task[Any]) -> None:
+        self.armed = True
+        self.gone = False
+        self._watcher = asyncio.get_running_loop().create_task(self._watch(receive, task))
+
+    async def _watch(self, receive: Receive, task: asyncio.Task[Any]) -> None:
         try:
             while (await receive())["type"] != "http.disconnect":
                 pass
-        except Exception:  # a receive that fails tells no disconnect: the writer goes on
+        except Exception:  # a receive that fails tells no disconnect: the task goes on
             return
-        if not self.finished:
-            self.client_gone = True
-            writer.cancel()
+        if self.armed:
+            self.gone = True
+            task.cancel()
+
+    def cut(self, task: asyncio.Task[Any]) -> bool:
+        """After a CancelledError in `task`: whether it was this watch's (then absorbed)."""
+        return self.gone and task.uncancel() == 0
+
+    def stop(self) -> None:
+        self._watcher.cancel()
 
 
 MAX_IDEMPOTENCY_KEY_BYTES = 255
@@ -180,9 +199,25 @@ async def serve_turn(
     request.state.api = api
     conversation.idempotency = await idempotency(request)
     conversation.arrived = request.scope.get("state", {}).get("arrived")
-    if not streaming:
-        result = await complete()
-        request.state.turn_kind = result.kind
-        return reply(result)
-    events = await first_then_rest(stream())
-    return EventStream(frames(events), on_error, events)
+    turn = asyncio.current_task()
+    assert turn is not None
+    # The body is read: what the connection says now is whether the client is still there.
+    # One that hangs up before its answer starts takes the turn (its engine request, its
+    # slot) with it, as a streamed turn's client does later on (EventStream).
+    watch = DisconnectWatch(request.receive, turn)
+    try:
+        if streaming:
+            events = await first_then_rest(stream())
+        else:
+            result = await complete()
+    except asyncio.CancelledError:
+        if watch.cut(turn):
+            request.state.error = "client disconnected"
+            return Response(status_code=CLIENT_CLOSED)
+        raise
+    finally:
+        watch.stop()
+    if streaming:
+        return EventStream(frames(events), on_error, events)
+    request.state.turn_kind = result.kind
+    return reply(result)
