@@ -45,9 +45,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         default = Settings.model_fields[dest].get_default(call_default_factory=True)
         if default not in (None, "", []) and default is not False:
             notes.append(f"default: {default}")
-        if kwargs.pop("needed", False):
+        if kwargs.pop("needed", False) and not os.environ.get(env):
             # Required unless its variable is set: argparse then names it as missing.
-            kwargs["required"] = not os.environ.get(env)
+            kwargs["required"] = True
             notes.insert(0, "required")
         p.add_argument(name, help=f"{help_text} ({'; '.join(notes)})", **kwargs)
 

@@ -33,7 +33,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
     commands' docstrings, printed as written (their examples keep their lines)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default is False:
+        # The admin key's default is the key itself (from the environment): never printed.
+        if action.default is None or action.default is False or action.dest == "admin_key":
             return action.help
         return super()._get_help_string(action)
 
