@@ -123,7 +123,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize(("args", "env", "phrase"), CASES, ids=[" ".join(c[0])[:60] for c in CASES])
+@pytest.mark.parametrize(("args", "env", "phrase"), CASES, ids=[c[2][:48] for c in CASES])
 def test_a_mistake_is_one_line_and_exit_2(
     args: list[str], env: dict[str, str], phrase: str
 ) -> None:
