@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -10,25 +9,29 @@ import sys
 
 from session_server.check.report import format_report
 from session_server.check.run import CheckInputError, load_model, run_check
+from tokenkeep.cli import Parser, fail
+
+PROG = "tokenkeep check"
 
 
 def main(argv: list[str] | None = None) -> int:
     import time
 
-    parser = argparse.ArgumentParser(
-        prog="tokenkeep check",
+    parser = Parser(
+        prog=PROG,
         description="Will this model's multi-turn rollouts stay token-exact through tokenkeep?",
     )
-    parser.add_argument("--tokenizer", required=True, help="tokenizer directory (as for serve)")
-    parser.add_argument("--renderer", default="auto", help="auto (default) or a renderer name")
+    parser.add_argument(
+        "--tokenizer", required=True, help="tokenizer directory, as for serve (required)"
+    )
+    parser.add_argument("--renderer", default="auto", help="auto or a renderer name")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
     started = time.perf_counter()
     try:
         model = load_model(args.tokenizer, args.renderer)
     except CheckInputError as exc:
-        print(f"tokenkeep check: {exc}", file=sys.stderr)
-        return 2
+        return fail(PROG, str(exc))
     interactive = sys.stderr.isatty()
 
     def progress(line: str) -> None:

@@ -68,13 +68,16 @@ def test_sessions_and_export_take_the_key_the_same_way(
     assert "no finished session matches" in capsys.readouterr().err
 
 
-def test_without_the_key_both_say_the_server_refused(
+def test_without_the_key_both_say_the_server_refused_and_how_to_pass_it(
     keyed_url: str, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    with pytest.raises(SystemExit) as raised:
-        main(["sessions", "--url", keyed_url, "list"])
-    assert str(raised.value).startswith("tokenkeep sessions: HTTP 401: ")
+    assert main(["sessions", "--url", keyed_url, "list"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tokenkeep sessions: HTTP 401: ")
+    assert "--admin-key or TOKENKEEP_ADMIN_KEY" in err
     out = tmp_path / "b.jsonl"
-    assert main(["export", "--url", keyed_url, "--no-progress", "-o", str(out)]) == 1
-    assert "tokenkeep export: the server refused: " in capsys.readouterr().err
+    assert main(["export", "--url", keyed_url, "--no-progress", "-o", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tokenkeep export: the server refused: ")
+    assert "--admin-key or TOKENKEEP_ADMIN_KEY" in err
     assert not out.exists()

@@ -87,3 +87,12 @@ def test_errors_are_one_line(live: Live) -> None:
     assert result.stderr.strip() == (
         "tokenkeep sessions: HTTP 404: session 'no-such-session' not found"
     )
+
+
+def test_a_branch_the_session_lacks_is_one_line_and_exit_2(live: Live, rich: str) -> None:
+    result = run_cli("--url", live.url, "show", rich, "--branch", "99")
+    assert result.returncode == 2
+    assert (
+        result.stderr.strip() == "tokenkeep sessions: no branch 99: the session has branches 0..2"
+    )
+    assert result.stdout == ""

@@ -16,15 +16,17 @@ from typing import Any
 
 import httpx
 
-from tokenkeep.cli import server_arguments
+from tokenkeep.cli import Parser, fail, refused, server_arguments, unreachable
 from tokenkeep.client import Client, TokenkeepError
 from tokenkeep.files import ExportFileError, check_writable, write
 from tokenkeep.types import Row
 
+PROG = "tokenkeep export"
+
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="tokenkeep export", description=__doc__.split("\n")[0])
-    p.add_argument("-o", "--output", required=True, type=Path, help="file to write")
+    p = Parser(prog=PROG, description=__doc__)
+    p.add_argument("-o", "--output", required=True, type=Path, help="file to write (required)")
     p.add_argument(
         "--format",
         choices=["parquet", "jsonl"],
@@ -35,11 +37,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--selector", help="key=value,... over session metadata")
     p.add_argument("--since", type=float, help="finished at or after (Unix time)")
     p.add_argument("--until", type=float, help="finished at or before (Unix time)")
-    p.add_argument("--limit", type=int, default=1000)
-    p.add_argument("--min-weight-version", type=float)
-    p.add_argument("--stale", choices=["mask", "drop"], default="mask")
+    p.add_argument("--limit", type=int, default=1000, help="most sessions a selector picks")
+    p.add_argument(
+        "--min-weight-version",
+        type=float,
+        help="turns sampled by an older policy version are stale (see --stale)",
+    )
+    p.add_argument(
+        "--stale",
+        choices=["mask", "drop"],
+        default="mask",
+        help="stale turns: loss-masked, or left out",
+    )
     p.add_argument("--delete", action="store_true", help="delete the sessions once written")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return p
 
 
@@ -51,20 +62,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_writable(args.output, fmt)
     except ExportFileError as exc:
-        print(f"tokenkeep export: {exc}", file=sys.stderr)
-        return 2
+        return fail(PROG, str(exc))
     try:
         with Client(args.url, api_key=args.admin_key, timeout=600) as client:
             return _export(client, args, fmt)
     except TokenkeepError as exc:
-        print(f"tokenkeep export: the server refused: {exc.message}", file=sys.stderr)
-        return 1
+        line, status = refused(exc, args.admin_key)
+        print(f"{PROG}: the server refused: {line}", file=sys.stderr)
+        return status
     except ExportFileError as exc:
-        print(f"tokenkeep export: {exc}", file=sys.stderr)
-        return 2
+        return fail(PROG, str(exc))
     except httpx.HTTPError as exc:
-        print(f"tokenkeep export: cannot reach {args.url}: {exc}", file=sys.stderr)
-        return 1
+        return fail(PROG, unreachable(args.url, exc))
 
 
 def _export(client: Client, args: argparse.Namespace, fmt: str) -> int:
@@ -76,7 +85,7 @@ def _export(client: Client, args: argparse.Namespace, fmt: str) -> int:
         )
         session_ids = [s.id for s in listed]
         if not session_ids:
-            print("tokenkeep export: no finished session matches", file=sys.stderr)
+            print(f"{PROG}: no finished session matches", file=sys.stderr)
             return 1
     rows = client.export(
         session_ids=session_ids, min_weight_version=args.min_weight_version, stale=args.stale

@@ -17,8 +17,10 @@ from typing import Any, TextIO
 
 import httpx
 
-from tokenkeep.cli import server_arguments
+from tokenkeep.cli import Parser, fail, refused, server_arguments, unreachable
 from tokenkeep.client import Client, TokenkeepError
+
+PROG = "tokenkeep sessions"
 
 _SAMPLED = ("\x1b[30;48;5;151m", "\x1b[30;48;5;114m")
 _CONTEXT = ("\x1b[2m", "\x1b[2;4m")
@@ -28,20 +30,24 @@ _RESET = "\x1b[0m"
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="tokenkeep sessions", description=__doc__)
+    parser = Parser(prog=PROG, description=__doc__)
     server_arguments(parser)
     sub = parser.add_subparsers(dest="command", required=True)
     listing = sub.add_parser("list", help="sessions, newest first")
-    listing.add_argument("--limit", type=int, default=50)
-    listing.add_argument("--offset", type=int, default=0)
+    listing.add_argument("--limit", type=int, default=50, help="sessions to show")
+    listing.add_argument("--offset", type=int, default=0, help="skip this many, newest first")
     listing.add_argument("--metadata", help="filter: key=value[,key=value]")
     listing.add_argument("--state", choices=["running", "finished"])
     listing.add_argument("--json", action="store_true", help="print the JSON as received")
     show = sub.add_parser("show", help="one session's tokens, segments and breaks")
-    show.add_argument("session_id")
+    show.add_argument("session_id", help="the session to show")
     show.add_argument("--branch", type=int, help="branch index (default: the newest)")
     show.add_argument("--json", action="store_true", help="print the JSON as received")
     return parser
+
+
+class _Mistake(Exception):
+    """A request the session's data cannot answer (a branch it does not have)."""
 
 
 def _breaks(breaks: dict[str, int]) -> str:
@@ -98,7 +104,7 @@ def print_session(data: dict[str, Any], branch_index: int | None, out: TextIO, t
         return
     index = len(branches) - 1 if branch_index is None else branch_index
     if not 0 <= index < len(branches):
-        raise SystemExit(f"tokenkeep sessions: no branch {index} (0..{len(branches) - 1})")
+        raise _Mistake(f"no branch {index}: the session has branches 0..{len(branches) - 1}")
     branch = branches[index]
     for segment in branch["segments"]:
         reason = segment["start_reason"]
@@ -134,13 +140,18 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 data = client.viewer_session(args.session_id)
     except TokenkeepError as exc:
-        raise SystemExit(f"tokenkeep sessions: HTTP {exc.status}: {exc.message}") from None
+        line, status = refused(exc, args.admin_key)
+        print(f"{PROG}: {line}", file=sys.stderr)
+        return status
     except httpx.HTTPError as exc:
-        raise SystemExit(f"tokenkeep sessions: cannot reach {args.url}: {exc}") from None
+        return fail(PROG, unreachable(args.url, exc))
     if args.json:
         print(json.dumps(data), file=out)
     elif args.command == "list":
         print_list(data, out)
     else:
-        print_session(data, args.branch, out, tty=out.isatty())
+        try:
+            print_session(data, args.branch, out, tty=out.isatty())
+        except _Mistake as exc:
+            return fail(PROG, str(exc))
     return 0
