@@ -155,6 +155,7 @@ OTHER_VARIABLES = frozenset(
         "TOKENKEEP_RECORD_HARNESS_FIXTURES",
         "TOKENKEEP_FUZZ_SECONDS",
         "TOKENKEEP_ARTIFACTS",
+        "TOKENKEEP_K8S_DIR",
     }
 )
 """TOKENKEEP_* variables of other parts of tokenkeep: `serve` leaves them alone."""

@@ -5,8 +5,10 @@ other parts of tokenkeep read."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -34,6 +36,23 @@ def test_every_setting_and_the_other_parts_variables_are_accepted() -> None:
     assert unknown_variable(environ) is None
     # The older name of the admin key still sets it.
     assert "TOKENKEEP_API_KEY" in READ_VARIABLES
+
+
+def test_every_variable_the_repository_reads_is_a_setting_or_another_parts() -> None:
+    """A TOKENKEEP_* variable read elsewhere (os.environ, $NAME in the Makefile or docs) but
+    missing from OTHER_VARIABLES would stop `serve` wherever it is exported."""
+    root = Path(__file__).parents[1]
+    files = subprocess.run(
+        ["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True
+    ).stdout.split()
+    read = re.compile(r"""(?:environ(?:\.get\(|\[)|getenv\(|\$\{?)["']?(TOKENKEEP_[A-Z0-9_]+)""")
+    names = set()
+    for name in files:
+        path = root / name
+        if path.suffix in {".py", ".md", ".sh", ".yaml", ".toml", ""} and path.is_file():
+            names |= set(read.findall(path.read_text(errors="replace")))
+    assert "TOKENKEEP_CACHE_DIR" in names  # the pattern finds what it is meant to
+    assert names - READ_VARIABLES - OTHER_VARIABLES == set()
 
 
 def test_kubernetes_service_links_of_a_tokenkeep_service_are_accepted() -> None:
