@@ -162,7 +162,7 @@ OTHER_VARIABLES = frozenset(
 
 # Kubernetes service links of a Service named tokenkeep-*: FOO_SERVICE_HOST, FOO_SERVICE_PORT
 # (_NAME), FOO_PORT and FOO_PORT_<port>_<PROTO>(_PROTO|_PORT|_ADDR), in pods that keep
-# enableServiceLinks on (the operator's turn it off). FOO_PORT is told apart by its value.
+# enableServiceLinks on (the operator's pods turn it off). FOO_PORT is told apart by its value.
 _SERVICE_LINK = re.compile(r"_SERVICE_(HOST|PORT(_\w+)?)|_PORT_\d+_(TCP|UDP|SCTP)(_\w+)?")
 _SERVICE_LINK_VALUE = re.compile(r"(tcp|udp|sctp)://")
 
