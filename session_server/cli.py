@@ -210,8 +210,13 @@ def _tokenizer_problem(tokenizer: str) -> str | None:
 def serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from session_server.settings import Settings, listen_problem, log_mode
+    from session_server.settings import Settings, listen_problem, log_mode, unknown_variable
 
+    # The settings would ignore a misspelt variable, and the server start without it.
+    problem = unknown_variable(os.environ)
+    if problem:
+        print(f"tokenkeep serve: {problem}", file=sys.stderr)
+        return 2
     overrides = {
         k: v for k, v in vars(args).items() if v is not None and k in Settings.model_fields
     }

@@ -3,20 +3,24 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
 import ipaddress
 import json
 import logging
+import re
+from collections.abc import Mapping
 from typing import Annotated, Any
 
 from pydantic import AliasChoices, Field, field_validator
+from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+ENV_PREFIX = "TOKENKEEP_"
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(
-        env_prefix="TOKENKEEP_", extra="ignore", populate_by_name=True
-    )
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", populate_by_name=True)
 
     engine_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)
     """vLLM replicas (TOKENKEEP_ENGINE_URLS, comma-separated)."""
@@ -120,6 +124,80 @@ class Settings(BaseSettings):
         if isinstance(value, str):
             return json.loads(value) if value.strip() else {}
         return value
+
+
+def _variables(name: str, info: FieldInfo) -> tuple[str, ...]:
+    """The variables that set one field, its current name first: pydantic-settings reads a
+    field with a validation alias from the alias's names only (no prefix added)."""
+    if isinstance(info.validation_alias, AliasChoices):
+        return tuple(
+            c
+            for c in info.validation_alias.choices
+            if isinstance(c, str) and c.startswith(ENV_PREFIX)
+        )
+    return (ENV_PREFIX + name.upper(),)
+
+
+ENV_NAMES: dict[str, str] = {
+    name: _variables(name, info)[0] for name, info in Settings.model_fields.items()
+}
+"""Setting -> the variable that sets it. The operator renders the server's environment from
+these names, so that a setting renamed here cannot leave it writing one the server ignores."""
+
+READ_VARIABLES = frozenset(
+    v for name, info in Settings.model_fields.items() for v in _variables(name, info)
+)
+"""Every TOKENKEEP_* variable the settings read (older names included)."""
+
+OTHER_VARIABLES = frozenset(
+    {
+        # The client CLI (`tokenkeep sessions` / `export`), often set in the same shell.
+        "TOKENKEEP_URL",
+        # Codex's env_key for a session key (docs/harnesses.md, tests/harnesses).
+        "TOKENKEEP_SESSION_KEY",
+        "TOKENKEEP_KEY",
+        # `tokenkeep engine` and `make venv`: the local vLLM's cache, and skipping it.
+        "TOKENKEEP_CACHE_DIR",
+        "TOKENKEEP_SKIP_VLLM",
+        # The operator (its chart sets them on its own pod) and `make images`.
+        "TOKENKEEP_IMAGE",
+        "TOKENKEEP_OPERATOR_DEBOUNCE_SECONDS",
+        "TOKENKEEP_MKIMAGE",
+        # Test and benchmark switches, exported for a whole test run.
+        "TOKENKEEP_VLLM_URL",
+        "TOKENKEEP_VLLM_VISION_URL",
+        "TOKENKEEP_RECORD_RESULTS",
+        "TOKENKEEP_RECORD_HARNESS_FIXTURES",
+        "TOKENKEEP_FUZZ_SECONDS",
+        "TOKENKEEP_ARTIFACTS",
+        "TOKENKEEP_K8S_DIR",
+    }
+)
+"""TOKENKEEP_* variables of other parts of tokenkeep: `serve` leaves them alone."""
+
+# Kubernetes service links of a Service named tokenkeep-*: FOO_SERVICE_HOST, FOO_SERVICE_PORT
+# (_NAME), FOO_PORT and FOO_PORT_<port>_<PROTO>(_PROTO|_PORT|_ADDR), in pods that keep
+# enableServiceLinks on (the operator's pods turn it off). FOO_PORT is told apart by its value.
+_SERVICE_LINK = re.compile(r"_SERVICE_(HOST|PORT(_\w+)?)|_PORT_\d+_(TCP|UDP|SCTP)(_\w+)?")
+_SERVICE_LINK_VALUE = re.compile(r"(tcp|udp|sctp)://")
+
+
+def unknown_variable(environ: Mapping[str, str]) -> str | None:
+    """Why `tokenkeep serve` must not start with this environment: the first TOKENKEEP_*
+    variable it would silently ignore (a misspelt setting), with the closest real name."""
+    for variable, value in sorted(environ.items()):
+        name = variable.upper()  # pydantic-settings matches names case-insensitively
+        if (
+            not name.startswith(ENV_PREFIX)
+            or name in READ_VARIABLES
+            or name in OTHER_VARIABLES
+            or _SERVICE_LINK.search(name, len(ENV_PREFIX) - 1)
+            or (name.endswith("_PORT") and _SERVICE_LINK_VALUE.match(value))
+        ):
+            continue
+        close = difflib.get_close_matches(name, sorted(READ_VARIABLES), n=1, cutoff=0)
+        return f"unknown setting {variable}; did you mean {close[0]}?"
+    return None
 
 
 # --- protected mode (see session_server.api.auth); here so that `tokenkeep serve` can refuse

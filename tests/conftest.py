@@ -41,7 +41,7 @@ def pytest_runtest_makereport(
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """URL of a real redis-server started once for the test run. Tests share it: each test's
     store gets its own key prefix (tests/session/conftest.py, tests/store/conftest.py), so
-    the suite passes in any order (`pytest -p random_order --random-order`)."""
+    the suite passes in any order (`pytest --random-order-seed=N`)."""
     proc, url = start_redis_server(tmp_path_factory.mktemp("redis"))
     try:
         yield url

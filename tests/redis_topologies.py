@@ -12,6 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import redis
+from redis.cluster import ClusterNode, RedisCluster
 
 from tests.redis_server import _free_loopback_port, start_redis_server, stop_redis_server
 
@@ -30,8 +31,8 @@ def _wait(check: object, what: str, timeout_s: float = 30) -> None:
         try:
             if check():  # type: ignore[operator]
                 return
-        except redis.RedisError:
-            pass
+        except (redis.RedisError, redis.exceptions.RedisClusterException):
+            pass  # not there yet (a cluster client's discovery raises the latter)
         time.sleep(0.1)
     raise RuntimeError(f"{what} did not happen within {timeout_s} s")
 
@@ -40,6 +41,36 @@ def _in_sync(primary: redis.Redis) -> int:
     """How many replicas of `primary` finished their initial sync (state online)."""
     info = primary.info("replication")
     return sum(1 for i in range(info["connected_slaves"]) if info[f"slave{i}"]["state"] == "online")
+
+
+def _agreed(ports: list[int]) -> bool:
+    """Every node answers, says cluster_state:ok, knows all the others and serves the same
+    slot map: checked here rather than assumed from `--cluster create` having returned."""
+    maps = []
+    for port in ports:
+        client = redis.Redis(port=port, socket_connect_timeout=1, socket_timeout=1)
+        try:
+            info = client.cluster("info")
+            if info["cluster_state"] != "ok" or int(info["cluster_known_nodes"]) != len(ports):
+                return False
+            maps.append(sorted(str(entry) for entry in client.cluster("slots")))
+        finally:
+            client.close()
+    return all(m == maps[0] for m in maps)
+
+
+def _answering(ports: list[int]) -> bool:
+    """A cluster client, discovering the nodes as the store does, reaches every one of them
+    (the first store test once timed out connecting to a node that had just started)."""
+    client = RedisCluster(  # its discovery connects to every node it is told of
+        startup_nodes=[ClusterNode("127.0.0.1", p) for p in ports],
+        socket_connect_timeout=1,
+        socket_timeout=1,
+    )
+    try:
+        return client.ping(target_nodes=RedisCluster.ALL_NODES) is True  # one answer for all
+    finally:
+        client.close()
 
 
 class Cluster:
@@ -115,9 +146,10 @@ def cluster(workdir: Path, masters: int = 3, replicas: int = 0) -> Iterator[Clus
              "--cluster-yes"],
             check=True, capture_output=True, timeout=60,
         )  # fmt: skip
+        _wait(lambda: _agreed(list(nodes.processes)), "every node ok, knowing every node")
+        _wait(lambda: _answering(list(nodes.processes)), "a cluster client reaching every node")
         for port in nodes.processes:
             client = redis.Redis(port=port)
-            _wait(lambda c=client: c.cluster("info")["cluster_state"] == "ok", "cluster state ok")
             if replicas and client.info("replication")["role"] == "master":
                 _wait(lambda c=client: _in_sync(c) >= replicas, "replicas in sync")
             client.close()

@@ -40,8 +40,15 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"checking {line}", file=sys.stderr, flush=True)
 
-    logging.getLogger("tokenkeep").setLevel(logging.ERROR)  # the report says it all
-    report = asyncio.run(run_check(model, name=args.tokenizer, progress=progress))
+    tokenkeep_log = logging.getLogger("tokenkeep")
+    level = tokenkeep_log.level
+    tokenkeep_log.setLevel(logging.ERROR)  # the report says it all
+    try:
+        report = asyncio.run(run_check(model, name=args.tokenizer, progress=progress))
+    finally:
+        # main() also runs in-process (tests): a level left at ERROR silenced every later
+        # server's access log there.
+        tokenkeep_log.setLevel(level)
     if interactive:
         print("\r\033[K", end="", file=sys.stderr, flush=True)
     if args.json:

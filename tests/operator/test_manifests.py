@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
+from session_server.settings import ENV_PREFIX, READ_VARIABLES
 from tests.operator.conftest import TEST_NAMESPACE, load_example, owner_of
 from tests.operator.schemas import validate_builtin
 from tokenkeep_operator.manifests import engine, redis, session
@@ -104,6 +105,44 @@ def test_rendered_objects_match_golden_files(scenario: str) -> None:
 def test_rendered_objects_are_valid_kubernetes_objects(scenario: str) -> None:
     for obj in SCENARIOS[scenario]():
         validate_builtin(obj)
+
+
+def _every_option_sessionserver() -> list[dict[str, Any]]:
+    """A SessionServer with each optional setting given (the golden scenarios leave some out),
+    in front of a gated model (its HF_TOKEN)."""
+    resource = external_sessionserver()
+    resource["spec"]["redis"]["external"]["waitReplicas"] = 1
+    resource["spec"] |= {"maxPolicyLag": 2, "samplingOverrides": {"temperature": 0.7}}
+    model_server = load_example("modelserver-qwen3-8b.yaml")
+    model_server["spec"]["model"]["authSecretRef"] = {"name": "hf", "key": "token"}
+    return render_sessionserver(resource, model_server)
+
+
+def _tokenkeep_variables(objects: list[dict[str, Any]]) -> set[str]:
+    """The TOKENKEEP_* names these objects give a container: ConfigMap keys and env names."""
+    names = set()
+    for obj in objects:
+        if obj["kind"] == "ConfigMap":
+            names |= set(obj["data"])
+        pod = obj.get("spec", {}).get("template", {}).get("spec", {})
+        for container in pod.get("initContainers", []) + pod.get("containers", []):
+            names |= {e["name"] for e in container.get("env", [])}
+    return {n for n in names if n.startswith(ENV_PREFIX)}
+
+
+def test_every_tokenkeep_variable_the_operator_writes_is_a_server_setting() -> None:
+    """The server ignores a variable it does not know (and `tokenkeep serve` refuses one):
+    a misspelt name here would be a setting silently lost, or a pod that never starts."""
+    renderings = [scenario() for scenario in SCENARIOS.values()] + [_every_option_sessionserver()]
+    written = set().union(*(_tokenkeep_variables(objects) for objects in renderings))
+    assert written - READ_VARIABLES == set()
+    # Every optional setting was rendered at least once, so the check above saw it.
+    assert {
+        "TOKENKEEP_MAX_POLICY_LAG",
+        "TOKENKEEP_REDIS_WAIT_REPLICAS",
+        "TOKENKEEP_SAMPLING_OVERRIDES",
+        "TOKENKEEP_ADMIN_KEY",
+    } <= written
 
 
 def _by_kind(objects: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:

@@ -8,6 +8,7 @@ import json
 import secrets
 from typing import Any
 
+from session_server.settings import ENV_NAMES
 from tokenkeep_operator.manifests import engine, redis
 from tokenkeep_operator.manifests.common import (
     CONFIG_HASH_ANNOTATION,
@@ -80,30 +81,31 @@ def tokenizer(spec: SessionServerSpec, model_server: ModelServerSpec) -> str:
 def settings(
     owner: Owner, spec: SessionServerSpec, model_server_name: str, model_server: ModelServerSpec
 ) -> dict[str, str]:
-    """The session server's environment, as ConfigMap data (secrets are referenced apart)."""
+    """The session server's environment, as ConfigMap data (secrets are referenced apart),
+    named by the server's own settings (ENV_NAMES)."""
     data = {
-        "TOKENKEEP_ENGINE_URLS": engine.replicas_url(model_server_name, owner.namespace),
+        ENV_NAMES["engine_urls"]: engine.replicas_url(model_server_name, owner.namespace),
         # The headless Service resolves to every engine pod: one replica each.
-        "TOKENKEEP_ENGINE_DISCOVERY": "true",
-        "TOKENKEEP_MODEL": engine.served_model_name(model_server_name, model_server),
-        "TOKENKEEP_TOKENIZER": tokenizer(spec, model_server),
-        "TOKENKEEP_RENDERER": spec.renderer,
-        "TOKENKEEP_HOST": "0.0.0.0",
-        "TOKENKEEP_PORT": str(PORT),
-        "TOKENKEEP_SESSION_TTL_SECONDS": str(spec.session_ttl_seconds),
+        ENV_NAMES["engine_discovery"]: "true",
+        ENV_NAMES["model"]: engine.served_model_name(model_server_name, model_server),
+        ENV_NAMES["tokenizer"]: tokenizer(spec, model_server),
+        ENV_NAMES["renderer"]: spec.renderer,
+        ENV_NAMES["host"]: "0.0.0.0",
+        ENV_NAMES["port"]: str(PORT),
+        ENV_NAMES["session_ttl_seconds"]: str(spec.session_ttl_seconds),
         "HF_HOME": "/cache/huggingface",
     }
     if spec.sampling_overrides:
-        data["TOKENKEEP_SAMPLING_OVERRIDES"] = json.dumps(
+        data[ENV_NAMES["sampling_overrides"]] = json.dumps(
             spec.sampling_overrides, sort_keys=True, separators=(",", ":")
         )
     if spec.redis.mode == "Managed":
-        data["TOKENKEEP_REDIS_URL"] = redis.url(owner.name, owner.namespace)
+        data[ENV_NAMES["redis_url"]] = redis.url(owner.name, owner.namespace)
     elif spec.redis.external and spec.redis.external.wait_replicas:
-        data["TOKENKEEP_REDIS_WAIT_REPLICAS"] = str(spec.redis.external.wait_replicas)
-    data["TOKENKEEP_SHUTDOWN_GRACE_S"] = str(spec.shutdown_grace_seconds)
+        data[ENV_NAMES["redis_wait_replicas"]] = str(spec.redis.external.wait_replicas)
+    data[ENV_NAMES["shutdown_grace_s"]] = str(spec.shutdown_grace_seconds)
     if spec.max_policy_lag is not None:
-        data["TOKENKEEP_MAX_POLICY_LAG"] = str(spec.max_policy_lag)
+        data[ENV_NAMES["max_policy_lag"]] = str(spec.max_policy_lag)
     return data
 
 
@@ -143,10 +145,10 @@ def _secret_env(
     env = []
     if spec.redis.mode == "External" and spec.redis.external:
         ref = spec.redis.external.url_secret_ref
-        env.append(secret_env("TOKENKEEP_REDIS_URL", ref.name, ref.key))
+        env.append(secret_env(ENV_NAMES["redis_url"], ref.name, ref.key))
     # The server listens on 0.0.0.0, which it refuses to do without an admin key.
     ref = admin_key_ref(owner.name, spec)
-    env.append(secret_env("TOKENKEEP_ADMIN_KEY", ref.name, ref.key))
+    env.append(secret_env(ENV_NAMES["admin_key"], ref.name, ref.key))
     if model_server.model.auth_secret_ref:
         # The same token that lets vLLM download a gated model lets us load its tokenizer.
         ref = model_server.model.auth_secret_ref
