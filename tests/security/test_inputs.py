@@ -1,0 +1,189 @@
+"""Unclean input gets a clean answer (issue 33, class 4): a value the engine or a store would
+fail on is a 400 in the API's own error shape naming the parameter, never a 500 or a
+traceback, and the refused request leaves the session it named exactly as it was. Against
+the live server with each store, since the stores once answered the same request differently
+(the embedded one accepted what Redis failed on)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.engine_double import EngineDouble
+from tests.security.conftest import ADMIN_KEY, LiveServer, start_server, stop_server
+
+SESSION = "inputs"
+USER = [{"role": "user", "content": "hi"}]
+HUGE = 2**80
+"""Wider than 64 bits: what vLLM's int64 tensors and the engine request's encoder refuse."""
+
+TURNS: dict[str, tuple[str, dict[str, Any]]] = {
+    "chat": ("/v1/chat/completions", {"model": "m", "messages": USER}),
+    "messages": ("/v1/messages", {"model": "m", "messages": USER, "max_tokens": 5}),
+    "responses": ("/v1/responses", {"model": "m", "input": "hi"}),
+    "completions": ("/v1/completions", {"model": "m", "prompt": [9707, 11]}),
+    "generate": ("/inference/v1/generate", {"token_ids": [9707, 11], "sampling_params": {}}),
+}
+
+
+@pytest.fixture(scope="module", params=["memory", "redis"])
+def server(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    double: EngineDouble,
+) -> Iterator[LiveServer]:
+    args = ["--admin-key", ADMIN_KEY]
+    if request.param == "redis":
+        args += ["--redis-url", request.getfixturevalue("redis_server")]
+    live = start_server(tmp_path_factory.mktemp(request.param), double, *args)
+    try:
+        key = live.create(SESSION)
+        with live.client(key) as client:
+            body = TURNS["chat"][1]
+            assert client.post(f"/sessions/{SESSION}/v1/chat/completions", json=body).is_success
+        yield live
+    finally:
+        stop_server(live)
+
+
+def _snapshot(server: LiveServer, session_id: str = SESSION) -> Any:
+    with server.admin() as admin:
+        summary = admin.get(f"/sessions/{session_id}")
+        trajectory = admin.get(f"/sessions/{session_id}/trajectory")
+    return summary.status_code, summary.text, trajectory.status_code, trajectory.text
+
+
+def _raw(body: dict[str, Any]) -> bytes:
+    """JSON as Python writes it: `Infinity` and `NaN` for non-finite floats (what a client
+    built on `json.dumps` sends)."""
+    return json.dumps(body).encode()
+
+
+def _post(server: LiveServer, path: str, body: bytes, key: str | None = None) -> httpx.Response:
+    with server.client(key or server.admin_key) as client:
+        return client.post(path, content=body, headers={"content-type": "application/json"})
+
+
+def _assert_400(response: httpx.Response, path: str, param: str | None) -> None:
+    assert response.status_code == 400, response.text
+    assert "Traceback" not in response.text
+    payload = response.json()
+    if path.endswith("/messages"):
+        assert payload["type"] == "error"
+        assert payload["error"]["type"] == "invalid_request_error"
+        assert payload["error"]["message"]
+        return
+    error = payload["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["code"], error["type"]) == (400, "invalid_request_error")
+    if param is not None:
+        assert error["param"] == param, error
+
+
+SAMPLING_CASES = [
+    ("chat", "seed", HUGE, "seed"),
+    ("chat", "seed", -HUGE, "seed"),
+    ("chat", "top_k", HUGE, "top_k"),
+    ("chat", "max_tokens", HUGE, "max_tokens"),
+    ("chat", "max_completion_tokens", HUGE, "max_completion_tokens"),
+    ("chat", "n", HUGE, "n"),
+    ("chat", "temperature", float("inf"), "temperature"),
+    ("chat", "temperature", float("nan"), "temperature"),
+    ("chat", "repetition_penalty", float("inf"), "repetition_penalty"),
+    ("messages", "top_k", HUGE, None),
+    ("messages", "max_tokens", HUGE, None),
+    ("responses", "max_output_tokens", HUGE, "max_output_tokens"),
+    ("completions", "seed", HUGE, "seed"),
+    ("completions", "max_tokens", HUGE, "max_tokens"),
+    ("completions", "temperature", float("inf"), "temperature"),
+    ("generate", "seed", HUGE, "sampling_params.seed"),
+    ("generate", "top_k", HUGE, "sampling_params.top_k"),
+    ("generate", "max_tokens", HUGE, "sampling_params.max_tokens"),
+    ("generate", "min_tokens", HUGE, "sampling_params.min_tokens"),
+    ("generate", "temperature", float("inf"), "sampling_params.temperature"),
+    ("generate", "temperature", float("nan"), "sampling_params.temperature"),
+    ("generate", "stop_token_ids", [HUGE], "sampling_params.stop_token_ids.0"),
+]
+
+
+@pytest.mark.parametrize(("api", "name", "value", "param"), SAMPLING_CASES)
+def test_sampling_beyond_the_engines_range_is_400_and_stores_nothing(
+    server: LiveServer, api: str, name: str, value: Any, param: str | None
+) -> None:
+    path, base = TURNS[api]
+    body = json.loads(json.dumps(base))
+    if api == "generate":
+        body["sampling_params"][name] = value
+    else:
+        body[name] = value
+    before = _snapshot(server)
+    response = _post(server, f"/sessions/{SESSION}{path}", _raw(body))
+    _assert_400(response, path, param)
+    assert _snapshot(server) == before
+
+
+def test_a_huge_float_literal_is_refused_not_sent_as_null(server: LiveServer) -> None:
+    """`1e400` parses as infinity: serialised for the engine it would be `null`."""
+    path, base = TURNS["chat"]
+    body = _raw(base)[:-1] + b', "temperature": 1e400}'
+    before = _snapshot(server)
+    _assert_400(_post(server, f"/sessions/{SESSION}{path}", body), path, "temperature")
+    assert _snapshot(server) == before
+
+
+@pytest.mark.parametrize(
+    ("sampling", "param"),
+    [
+        ({"seed": HUGE}, "sampling.seed"),
+        ({"top_k": -HUGE}, "sampling.top_k"),
+        ({"temperature": "hot"}, "sampling.temperature"),
+        ({"temperature": float("inf")}, "sampling.temperature"),
+        ({"max_tokens": 0}, "sampling.max_tokens"),
+        ({"n": 1e9}, "sampling.n"),
+    ],
+)
+def test_session_sampling_overrides_are_checked_at_creation(
+    server: LiveServer, sampling: dict[str, Any], param: str
+) -> None:
+    session_id = f"ovr-{abs(hash(json.dumps(sampling))) % 10**8}"
+    response = _post(server, "/sessions", _raw({"id": session_id, "sampling": sampling}))
+    _assert_400(response, "/sessions", param)
+    assert _snapshot(server, session_id)[0] == 404
+
+
+def test_session_sampling_overrides_in_range_still_apply(server: LiveServer) -> None:
+    """The check refuses what the engine cannot take, not the overrides users set."""
+    sampling = {"seed": 2**63 - 1, "temperature": 0.25, "top_k": -1, "stop": ["x"]}
+    body = {"id": "ovr-ok", "sampling": sampling}
+    with server.admin() as admin:
+        created = admin.post("/sessions", json=body)
+        assert created.status_code == 201, created.text
+        assert created.json()["sampling"] == sampling
+        assert admin.delete("/sessions/ovr-ok").is_success
+
+
+@pytest.mark.parametrize("ttl", [0, -5, 10**12, HUGE, 1.5, float("nan"), float("inf")])
+def test_ttl_out_of_range_is_400_on_both_stores(server: LiveServer, ttl: Any) -> None:
+    session_id = "ttl-bad"
+    response = _post(server, "/sessions", _raw({"id": session_id, "ttl_seconds": ttl}))
+    _assert_400(response, "/sessions", "ttl_seconds")
+    assert _snapshot(server, session_id)[0] == 404
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e400", "NaN"])
+@pytest.mark.parametrize("name", ["since", "until"])
+def test_list_time_filters_must_be_finite(server: LiveServer, name: str, value: str) -> None:
+    with server.admin() as admin:
+        response = admin.get("/sessions", params={name: value})
+    _assert_400(response, "/sessions", f"query.{name}")
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("name", ["since", "until", "min_weight_version"])
+def test_export_filters_must_be_finite(server: LiveServer, name: str, value: float) -> None:
+    response = _post(server, "/sessions/export", _raw({name: value}))
+    _assert_400(response, "/sessions/export", name)
