@@ -7,17 +7,18 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from session_server import batch, export
 from session_server.api import turn_service
 from session_server.api.auth import issue_session_key
 from session_server.api.errors import APIError
 from session_server.api.session_ids import SESSION_ID_PATTERN, check_session_id
+from session_server.conversation import MAX_JSON_DEPTH, too_deep
 from session_server.images import image_media_type
 from session_server.sampling import SamplingParams
 from session_server.store.base import (
@@ -35,13 +36,24 @@ MAX_TTL_SECONDS = 100 * 365 * 86_400
 that, added to the clock, fit in 64 bits), so both stores keep what is accepted."""
 
 
+def _bounded_depth(value: dict[str, Any]) -> dict[str, Any]:
+    if too_deep(value):
+        raise ValueError(f"nests deeper than {MAX_JSON_DEPTH} levels")
+    return value
+
+
+Metadata = Annotated[dict[str, Any], AfterValidator(_bounded_depth)]
+"""Session metadata: stored, then serialised into every listing and export row (which fail
+on nesting Python's JSON parser took), so refused before it is stored."""
+
+
 class CreateSession(BaseModel):
     model_config = ConfigDict(extra="forbid")
     id: str | None = Field(default=None, pattern=SESSION_ID_PATTERN.pattern)
     sampling: SamplingParams | None = None
     """Sampling overrides that win over whatever the harness sends (vLLM names), checked as
     each request's sampling is: one that every turn would fail on is refused here."""
-    metadata: dict[str, Any] | None = None
+    metadata: Metadata | None = None
     ttl_seconds: int | None = Field(default=None, ge=1, le=MAX_TTL_SECONDS)
     normalization: list[dict[str, Any]] | None = None
     """Volatile-prompt rules: [{"pattern": RE2 regex}]; matches are ignored when comparing
@@ -148,7 +160,7 @@ class FinishSession(BaseModel):
     model_config = ConfigDict(extra="forbid")
     reward: float | None = Field(default=None, allow_inf_nan=False, strict=True)
     """A finite JSON number: `true` or `"1.0"` is refused, not read as 1.0."""
-    metadata: dict[str, Any] | None = None
+    metadata: Metadata | None = None
     status: FinishStatus = "ok"
     """`ok`, or why the rollout failed (a group holds or drops its failed members)."""
 

@@ -187,3 +187,78 @@ def test_list_time_filters_must_be_finite(server: LiveServer, name: str, value: 
 def test_export_filters_must_be_finite(server: LiveServer, name: str, value: float) -> None:
     response = _post(server, "/sessions/export", _raw({name: value}))
     _assert_400(response, "/sessions/export", name)
+
+
+def _nested(depth: int) -> str:
+    return '{"a":' * depth + "1" + "}" * depth
+
+
+def _tool_turn(api: str, arguments: str) -> dict[str, Any]:
+    """A turn whose history holds an assistant tool call with `arguments` (JSON text)."""
+    if api == "chat":
+        call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}
+        return {
+            "model": "m",
+            "messages": [
+                *USER,
+                {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "c1", "content": "x"},
+            ],
+        }
+    if api == "responses":
+        return {
+            "model": "m",
+            "input": [
+                {"type": "message", "role": "user", "content": "hi"},
+                {"type": "function_call", "call_id": "c1", "name": "f", "arguments": arguments},
+                {"type": "function_call_output", "call_id": "c1", "output": "x"},
+            ],
+        }
+    tool_use = {"type": "tool_use", "id": "t1", "name": "f", "input": json.loads(arguments)}
+    result = {"type": "tool_result", "tool_use_id": "t1", "content": "x"}
+    return {
+        "model": "m",
+        "max_tokens": 5,
+        "messages": [
+            *USER,
+            {"role": "assistant", "content": [tool_use]},
+            {"role": "user", "content": [result]},
+        ],
+    }
+
+
+@pytest.mark.parametrize(
+    ("api", "depth"),
+    [("chat", 5000), ("chat", 150), ("responses", 5000), ("messages", 150)],
+)
+def test_deeply_nested_tool_call_arguments_are_400(
+    server: LiveServer, api: str, depth: int
+) -> None:
+    """Arguments as JSON text are parsed after the body (any depth reaches them); as a JSON
+    value they are bounded only by the body parser's limit, above the server's."""
+    path = TURNS[api][0]
+    before = _snapshot(server)
+    body = _raw(_tool_turn(api, _nested(depth)))
+    response = _post(server, f"/sessions/{SESSION}{path}", body)
+    param = None if api == "messages" else "messages[1].tool_calls[0].arguments"
+    _assert_400(response, path, param)
+    assert "nest deeper than 128 levels" in response.text
+    assert _snapshot(server) == before
+
+
+def test_tool_call_arguments_within_the_bound_still_work(server: LiveServer) -> None:
+    path = TURNS["chat"][0]
+    with server.admin() as admin:
+        response = admin.post(f"/sessions/nest-ok{path}", json=_tool_turn("chat", _nested(100)))
+        assert response.status_code == 200, response.text
+        admin.delete("/sessions/nest-ok")
+
+
+def test_deeply_nested_metadata_is_refused_before_it_is_stored(server: LiveServer) -> None:
+    body = b'{"id": "meta-deep", "metadata": ' + _nested(300).encode() + b"}"
+    _assert_400(_post(server, "/sessions", body), "/sessions", "metadata")
+    assert _snapshot(server, "meta-deep")[0] == 404
+    before = _snapshot(server)
+    finish = b'{"metadata": ' + _nested(300).encode() + b"}"
+    _assert_400(_post(server, f"/sessions/{SESSION}/finish", finish), "/finish", "metadata")
+    assert _snapshot(server) == before
