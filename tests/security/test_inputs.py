@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.engine_double import EngineDouble
+from tests.engine_double import EngineDouble, ScriptedCompletion
 from tests.security.conftest import ADMIN_KEY, LiveServer, start_server, stop_server
 
 SESSION = "inputs"
@@ -262,3 +262,76 @@ def test_deeply_nested_metadata_is_refused_before_it_is_stored(server: LiveServe
     finish = b'{"metadata": ' + _nested(300).encode() + b"}"
     _assert_400(_post(server, f"/sessions/{SESSION}/finish", finish), "/finish", "metadata")
     assert _snapshot(server) == before
+
+
+def _faults(server: LiveServer, reason: str) -> float:
+    with server.admin() as admin:
+        text = admin.get("/metrics").text
+    line = f'tokenkeep_engine_reply_faults_total{{reason="{reason}"}} '
+    found = [row for row in text.splitlines() if row.startswith(line)]
+    return float(found[0].split()[-1]) if found else 0.0
+
+
+def _assert_engine_fault(response: httpx.Response, words: str) -> None:
+    assert response.status_code == 502, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert (error["code"], error["type"]) == (502, "EngineProtocolError")
+    assert words in error["message"] and "nothing was stored" in error["message"]
+
+
+@pytest.mark.parametrize(
+    ("reply", "reason", "words"),
+    [
+        ([-1, 151645], "vocabulary", "outside the vocabulary"),
+        ([562, 10**6, 151645], "vocabulary", "outside the vocabulary"),
+        ([562] * 40, "max_tokens", "more than max_tokens (5)"),
+    ],
+)
+def test_an_engine_reply_it_could_not_have_sampled_is_502_and_stores_nothing(
+    server: LiveServer,
+    double: EngineDouble,
+    reply: list[int],
+    reason: str,
+    words: str,
+) -> None:
+
+    before, counted = _snapshot(server), _faults(server, reason)
+    double.script(ScriptedCompletion(reply, overrun=True))
+    body = {"model": "m", "messages": [{"role": "user", "content": "fault"}], "max_tokens": 5}
+    with server.admin() as admin:
+        response = admin.post(f"/sessions/{SESSION}/v1/chat/completions", json=body)
+    _assert_engine_fault(response, words)
+    assert _snapshot(server) == before
+    assert _faults(server, reason) == counted + 1
+
+
+def test_a_stream_past_max_tokens_is_cut_and_stores_nothing(
+    server: LiveServer, double: EngineDouble
+) -> None:
+    """The engine keeps sending: the client gets at most max_tokens of it, then an in-band
+    engine error, and the engine's stream is closed."""
+
+    before, counted = _snapshot(server), _faults(server, "max_tokens")
+    double.script(ScriptedCompletion([562] * 200, overrun=True))
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "stream fault"}],
+        "max_tokens": 3,
+        "stream": True,
+        "return_token_ids": True,
+    }
+    events = []
+    with (
+        server.admin() as admin,
+        admin.stream("POST", f"/sessions/{SESSION}/v1/chat/completions", json=body) as response,
+    ):
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                events.append(json.loads(line[6:]))
+    relayed = [t for e in events for c in e.get("choices", ()) for t in c.get("token_ids") or ()]
+    assert len(relayed) <= 3
+    errors = [e["error"] for e in events if "error" in e]
+    assert errors and "more than max_tokens (3)" in errors[0]["message"], events
+    assert _snapshot(server) == before
+    assert _faults(server, "max_tokens") == counted + 1
