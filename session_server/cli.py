@@ -124,8 +124,13 @@ def serve(args: argparse.Namespace) -> int:
     # request path, next to tokenkeep's own access log.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.root.level))
     from session_server.app import GracefulServer, create_app
+    from session_server.conversation import ConversationError
 
-    app = create_app(settings)
+    try:
+        app = create_app(settings)
+    except ConversationError as exc:  # a setting every turn would fail on (sampling overrides)
+        print(f"tokenkeep serve: {exc}", file=sys.stderr)
+        return 2
     if settings.startup_check:
         _start_check(app.state.turns, settings)
     config = uvicorn.Config(

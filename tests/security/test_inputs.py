@@ -335,3 +335,17 @@ def test_a_stream_past_max_tokens_is_cut_and_stores_nothing(
     assert errors and "more than max_tokens (3)" in errors[0]["message"], events
     assert _snapshot(server) == before
     assert _faults(server, "max_tokens") == counted + 1
+
+
+def test_server_wide_sampling_overrides_are_checked_at_start(
+    tmp_path_factory: pytest.TempPathFactory, double: EngineDouble
+) -> None:
+    env = {"TOKENKEEP_SAMPLING_OVERRIDES": json.dumps({"seed": HUGE})}
+    try:
+        live = start_server(tmp_path_factory.mktemp("overrides"), double, env=env)
+    except RuntimeError as exc:
+        assert "tokenkeep serve: sampling_overrides.seed" in str(exc)
+        assert "Traceback" not in str(exc)
+    else:
+        stop_server(live)
+        pytest.fail("the server started with a seed that every turn would fail on")
