@@ -33,7 +33,7 @@ from session_server.api.lane import LanedFastAPI
 from session_server.api.limits import BodyLimit
 from session_server.engines import EngineClient
 from session_server.metrics import Metrics
-from session_server.sampling import generation_defaults
+from session_server.sampling import check_sampling, generation_defaults
 from session_server.service_config import ServiceConfig
 from session_server.settings import Settings
 from session_server.splice import GENERIC, ChatModel
@@ -74,7 +74,10 @@ def build_service(
         default_ttl_seconds=settings.session_ttl_seconds,
         routed_experts=settings.routed_experts,
         max_policy_lag=settings.max_policy_lag,
-        sampling_overrides=settings.sampling_overrides,
+        # Checked as a session's overrides are: a bad one would fail every turn, not start.
+        sampling_overrides=check_sampling(
+            settings.sampling_overrides, prefix="sampling_overrides."
+        ),
         generation_defaults=generation_defaults(settings.tokenizer) if settings.tokenizer else {},
     )
     metrics = metrics or Metrics()

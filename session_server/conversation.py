@@ -14,6 +14,7 @@ import ast
 import functools
 import hashlib
 import json
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
@@ -28,6 +29,14 @@ if TYPE_CHECKING:
 
 Role = Literal["system", "user", "assistant", "tool"]
 IMAGE_MARK = "\ufffc"
+
+MAX_JSON_DEPTH = 128
+"""Deepest nesting accepted in JSON the server takes apart (tool-call arguments, session
+metadata): far past any tool's schema, far short of Python's recursion limit, which parsing,
+fingerprinting, the chat template and serialising each recurse into (a few thousand levels
+were a RecursionError, a 500)."""
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_BRACKETS = re.compile(r"[\[\]{}]")
 """Where an image sits in a message's text (U+FFFC OBJECT REPLACEMENT CHARACTER): the i-th
 mark is `Message.images[i]`. Front-ends refuse client text that contains it."""
 ROLES: frozenset[str] = frozenset({"system", "user", "assistant", "tool"})
@@ -133,6 +142,12 @@ def validate(conversation: Conversation) -> None:
     for i, message in enumerate(conversation.messages):
         if message.role not in ROLES:
             raise ConversationError(f"unknown role {message.role!r}", param=f"messages[{i}]")
+        for j, call in enumerate(message.tool_calls):
+            if too_deep(call.arguments):
+                raise ConversationError(
+                    f"tool call arguments nest deeper than {MAX_JSON_DEPTH} levels",
+                    param=f"messages[{i}].tool_calls[{j}].arguments",
+                )
     if conversation.n < 1 or conversation.n > 128:
         raise ConversationError("n must be between 1 and 128", param="n")
 
@@ -161,6 +176,29 @@ def _normalise_json_value(value: Any) -> Any:
     return value
 
 
+def too_deep(value: Any) -> bool:
+    """Whether `value` (JSON text or a parsed value) nests deeper than `MAX_JSON_DEPTH`,
+    found without recursing (that is what would fail)."""
+    if isinstance(value, str):
+        if value.count("{") + value.count("[") <= MAX_JSON_DEPTH:
+            return False  # fewer openers than the bound: no scan (nearly every call)
+        depth = 0
+        for bracket in _BRACKETS.findall(_JSON_STRING.sub("", value)):
+            depth += 1 if bracket in "[{" else -1
+            if depth > MAX_JSON_DEPTH:
+                return True
+        return False
+    pending: list[tuple[Any, int]] = [(value, 1)]
+    while pending:
+        item, depth = pending.pop()
+        if isinstance(item, dict | list):
+            if depth > MAX_JSON_DEPTH:
+                return True
+            children = item.values() if isinstance(item, dict) else item
+            pending.extend((child, depth + 1) for child in children)
+    return False
+
+
 def parse_arguments(arguments: str | dict[str, Any] | None) -> Any:
     """Tool-call arguments as a value: JSON first, then a Python literal (harnesses that
     round-trip arguments through `str(dict)` send `{'a': False}`), else the raw text."""
@@ -171,6 +209,8 @@ def parse_arguments(arguments: str | dict[str, Any] | None) -> Any:
     text = arguments.strip()
     if not text:
         return {}
+    if too_deep(text):  # a model's runaway output: kept as text, never parsed
+        return text
     try:
         return _normalise_json_value(json.loads(text))
     except ValueError:

@@ -60,6 +60,13 @@ class Metrics:
             "Engine-reported prompts that differed from the spliced prompt.",
             registry=r,
         )
+        self.engine_reply_faults = Counter(
+            "tokenkeep_engine_reply_faults",
+            "Engine replies refused (502, nothing stored): a token id outside the vocabulary, "
+            "more tokens than max_tokens, a choice the request did not ask for.",
+            ["reason"],
+            registry=r,
+        )
         self.normalized_requests = Counter(
             "tokenkeep_normalized_requests",
             "Requests in which session normalisation rules ignored volatile text.",

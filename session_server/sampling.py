@@ -9,8 +9,11 @@ overrides (e.g. the trainer's temperature). `max_tokens` is clamped to the conte
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from session_server.conversation import Conversation, ConversationError
 
@@ -19,6 +22,58 @@ if TYPE_CHECKING:
     from session_server.splice import ChatModel
 
 GENERATION_CONFIG_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+# vLLM keeps its integer sampling parameters in 64-bit tensors and validates `seed` against
+# torch.long, and the engine request is serialised by orjson, which refuses wider integers:
+# a value outside this range would fail on every turn that sends it.
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
+Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]
+TokenId = Annotated[int, Field(ge=0, le=INT64_MAX)]
+
+
+class SamplingParams(BaseModel):
+    """The sampling parameters tokenkeep passes to the engine (vLLM's names), with vLLM's
+    bounds. Every way in goes through `check_sampling`: each API's request, the session's
+    overrides at creation, `/inference/v1/generate`'s `sampling_params`. Non-finite floats
+    (Python's JSON reads `Infinity`, `NaN` and `1e400`) are refused: serialised for the
+    engine they become `null`, a different request from the one made."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1, le=INT64_MAX)
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    seed: Int64 | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    max_tokens: int | None = Field(default=None, ge=1, le=INT64_MAX)
+    min_tokens: int | None = Field(default=None, ge=0, le=INT64_MAX)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    ignore_eos: bool | None = None
+
+
+def check_sampling(
+    values: Mapping[str, Any], *, prefix: str = "", names: Mapping[str, str] | None = None
+) -> dict[str, Any]:
+    """`values` validated as `SamplingParams` (as given, coerced the way the APIs' own
+    fields are); a bad one is a `ConversationError` naming it as the caller's API does
+    (`prefix` + its name there, `names` mapping vLLM's names to the API's)."""
+    try:
+        checked = SamplingParams.model_validate(values)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        key, *rest = [str(part) for part in error["loc"]]
+        param = prefix + ".".join([(names or {}).get(key, key), *rest])
+        if error["type"] == "extra_forbidden":
+            message = f"{param} is not a supported sampling parameter"
+        else:
+            message = f"{param}: {error['msg']}"
+        raise ConversationError(message, param=param) from None
+    return checked.model_dump(exclude_none=True)
 
 
 def generation_defaults(model_dir: str | Path) -> dict[str, Any]:

@@ -51,7 +51,7 @@ from session_server.conversation import (
     text_chars,
     validate,
 )
-from session_server.engines import EngineClient, GenerationDelta
+from session_server.engines import EngineClient, EngineError, GenerationDelta
 from session_server.export import (
     first_weight_version,
     stale_cache,
@@ -1189,6 +1189,9 @@ class TurnService:
             self._land(session_id, flight)
         self.metrics.engine_seconds.observe(time.perf_counter() - started)
         self._check_proof(plan, generation.prompt_ids)
+        nothing: list[list[int]] = [[]] * conversation.n
+        for choice in generation.choices:
+            self._check_reply(plan, nothing, choice.index, choice.token_ids)
         replies = [
             (
                 choice,
@@ -1251,6 +1254,7 @@ class TurnService:
                             announced = True
                             yield self._started(plan, conversation, response_id)
                         i = event.index
+                        self._check_reply(plan, tokens, i, event.token_ids)
                         tokens[i].extend(event.token_ids)
                         logprobs[i].extend(event.logprobs)
                         text = streamers[i].feed(event.token_ids)
@@ -1373,6 +1377,28 @@ class TurnService:
                 "the engine reports a prompt that differs from the spliced prompt "
                 f"({len(reported)} vs {len(plan.prompt_ids)} tokens); nothing was stored"
             )
+
+    def _check_reply(
+        self, plan: Plan, received: list[list[int]], index: int, token_ids: list[int]
+    ) -> None:
+        """`token_ids`, sent for choice `index` after `received[index]`, must be what the
+        engine could sample for this request, else the reply is the engine's fault and
+        nothing is stored: a negative token id failed the store's encoding (a 500), one past
+        the vocabulary was stored, a stream past `max_tokens` was relayed without bound."""
+        limit, vocab = plan.sampling["max_tokens"], self.model.vocab_size
+        if not 0 <= index < len(received):
+            reason, fault = "choice", f"choice {index} of a request for {len(received)}"
+        elif len(received[index]) + len(token_ids) > limit:
+            reason, fault = "max_tokens", f"more than max_tokens ({limit}) tokens"
+        elif token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab):
+            bad = [t for t in token_ids if not 0 <= t < vocab]
+            reason, fault = "vocabulary", f"token ids outside the vocabulary: {bad[:5]}"
+        else:
+            return
+        self.metrics.engine_reply_faults.labels(reason=reason).inc()
+        raise EngineError(
+            502, f"the engine sent {fault}; nothing was stored", "EngineProtocolError"
+        )
 
     async def _record(
         self,

@@ -83,6 +83,8 @@ class ScriptedCompletion:
     """(version, start, end) spans to report; None: the double's current version throughout."""
     routed_experts: str | None = None
     """The wire value the double computed for this choice (set by the double)."""
+    overrun: bool = False
+    """A faulty engine: every token is sent, past the request's `max_tokens`."""
 
     def logprob_values(self) -> list[float]:
         if self.logprobs is not None:
@@ -478,7 +480,7 @@ class EngineDouble:
                 if isinstance(script, ScriptedCompletion)
                 else script(list(prompt), dict(sampling))
             )
-            if len(completion.token_ids) > max_tokens:
+            if len(completion.token_ids) > max_tokens and not completion.overrun:
                 completion = ScriptedCompletion(
                     completion.token_ids[:max_tokens],
                     "length",

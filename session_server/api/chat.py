@@ -192,7 +192,11 @@ def to_conversation(body: ChatCompletionRequest) -> Conversation:
             )
         )
     check_count(messages)
-    sampling = explicit_sampling(body, body.max_completion_tokens or body.max_tokens)
+    sampling = explicit_sampling(
+        body,
+        body.max_completion_tokens or body.max_tokens,
+        max_tokens_name="max_completion_tokens" if body.max_completion_tokens else "max_tokens",
+    )
     return Conversation(
         messages=messages,
         tools=[

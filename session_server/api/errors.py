@@ -157,7 +157,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
     param = ".".join(loc) or None
     if first.get("type") == "json_invalid":
-        return "the request body is not valid JSON", None
+        # The parser's reason tells a client what to fix (e.g. "recursion limit exceeded").
+        reason = str(first.get("msg", "")).removeprefix("Invalid JSON: ")
+        return f"the request body is not valid JSON: {reason}", None
     return f"{param or 'body'}: {first.get('msg', 'invalid value')}", param
 
 

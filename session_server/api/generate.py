@@ -25,6 +25,7 @@ from session_server.api.session_ids import check_session_id, session_id_from_hea
 from session_server.api.sse import IDEMPOTENCY_KEY_DOC, openai_error_line, serve_turn
 from session_server.conversation import Conversation, ConversationError
 from session_server.results import TurnResult
+from session_server.sampling import check_sampling
 
 router = APIRouter(route_class=LeanRoute)
 
@@ -81,11 +82,6 @@ def to_conversation(body: GenerateRequest) -> Conversation:
     n = params.get("n", 1)
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 128:
         raise ConversationError("n must be between 1 and 128", param="sampling_params.n")
-    max_tokens = params.get("max_tokens")
-    if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-        raise ConversationError(
-            "max_tokens must be a positive integer", param="sampling_params.max_tokens"
-        )
     logprobs = params.get("logprobs")
     if logprobs not in (None, 0, 1):
         raise ConversationError(
@@ -94,7 +90,9 @@ def to_conversation(body: GenerateRequest) -> Conversation:
         )
     return Conversation(
         messages=[],
-        sampling={k: v for k, v in params.items() if k in _FORWARDED},
+        sampling=check_sampling(
+            {k: v for k, v in params.items() if k in _FORWARDED}, prefix="sampling_params."
+        ),
         n=n,
         logprobs=True,
         response_format=params.get("structured_outputs"),

@@ -58,6 +58,7 @@ from session_server.results import (
     StreamStarted,
     TurnResult,
 )
+from session_server.sampling import check_sampling
 
 router = APIRouter(route_class=LeanRoute)
 
@@ -302,7 +303,7 @@ def _sampling(request: MessagesRequest) -> dict[str, Any]:
             sampling[name] = value
     if request.stop_sequences:
         sampling["stop"] = list(request.stop_sequences)
-    return sampling
+    return check_sampling(sampling, names={"stop": "stop_sequences"})
 
 
 # --- result -> wire response -------------------------------------------------------------

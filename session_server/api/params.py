@@ -6,6 +6,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from session_server.sampling import check_sampling
+
 SAMPLING_FIELDS = (
     "temperature",
     "top_p",
@@ -18,8 +20,11 @@ SAMPLING_FIELDS = (
 )
 
 
-def explicit_sampling(body: BaseModel, max_tokens: int | None) -> dict[str, Any]:
-    """The sampling parameters the client set (unset ones are left to the core's merge)."""
+def explicit_sampling(
+    body: BaseModel, max_tokens: int | None, *, max_tokens_name: str = "max_tokens"
+) -> dict[str, Any]:
+    """The sampling parameters the client set (unset ones are left to the core's merge),
+    checked against the engine's bounds."""
     sampling = {key: getattr(body, key) for key in SAMPLING_FIELDS}
     sampling = {key: value for key, value in sampling.items() if value is not None}
     if max_tokens is not None:
@@ -27,4 +32,4 @@ def explicit_sampling(body: BaseModel, max_tokens: int | None) -> dict[str, Any]
     stop = getattr(body, "stop", None)
     if stop:
         sampling["stop"] = [stop] if isinstance(stop, str) else list(stop)
-    return sampling
+    return check_sampling(sampling, names={"max_tokens": max_tokens_name})

@@ -58,6 +58,7 @@ from session_server.results import (
     StreamStarted,
     TurnResult,
 )
+from session_server.sampling import check_sampling
 
 router = APIRouter(route_class=LeanRoute)
 
@@ -372,7 +373,7 @@ def _sampling(request: ResponsesRequest) -> dict[str, Any]:
         value = getattr(request, name)
         if value is not None:
             sampling[name] = value
-    return sampling
+    return check_sampling(sampling, names={"max_tokens": "max_output_tokens"})
 
 
 def _response_format(text: TextConfig | None) -> dict[str, Any] | None:

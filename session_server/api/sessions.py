@@ -7,18 +7,20 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Request, Response
+from fastapi import APIRouter, Query, Request, Response
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from session_server import batch, export
 from session_server.api import turn_service
 from session_server.api.auth import issue_session_key
 from session_server.api.errors import APIError
 from session_server.api.session_ids import SESSION_ID_PATTERN, check_session_id
+from session_server.conversation import MAX_JSON_DEPTH, too_deep
 from session_server.images import image_media_type
+from session_server.sampling import SamplingParams
 from session_server.store.base import (
     FINISH_STATUSES,
     AlreadyFinished,
@@ -29,14 +31,30 @@ from session_server.store.base import (
 
 router = APIRouter()
 
+MAX_TTL_SECONDS = 100 * 365 * 86_400
+"""A century: past any rollout, and far inside what Redis' PEXPIRE takes (milliseconds
+that, added to the clock, fit in 64 bits), so both stores keep what is accepted."""
+
+
+def _bounded_depth(value: dict[str, Any]) -> dict[str, Any]:
+    if too_deep(value):
+        raise ValueError(f"nests deeper than {MAX_JSON_DEPTH} levels")
+    return value
+
+
+Metadata = Annotated[dict[str, Any], AfterValidator(_bounded_depth)]
+"""Session metadata: stored, then serialised into every listing and export row (which fail
+on nesting Python's JSON parser took), so refused before it is stored."""
+
 
 class CreateSession(BaseModel):
     model_config = ConfigDict(extra="forbid")
     id: str | None = Field(default=None, pattern=SESSION_ID_PATTERN.pattern)
-    sampling: dict[str, Any] | None = None
-    """Sampling overrides that win over whatever the harness sends (vLLM names)."""
-    metadata: dict[str, Any] | None = None
-    ttl_seconds: int | None = Field(default=None, ge=1)
+    sampling: SamplingParams | None = None
+    """Sampling overrides that win over whatever the harness sends (vLLM names), checked as
+    each request's sampling is: one that every turn would fail on is refused here."""
+    metadata: Metadata | None = None
+    ttl_seconds: int | None = Field(default=None, ge=1, le=MAX_TTL_SECONDS)
     normalization: list[dict[str, Any]] | None = None
     """Volatile-prompt rules: [{"pattern": RE2 regex}]; matches are ignored when comparing
     history. Off by default: see docs/harnesses.md for the trade-off."""
@@ -75,7 +93,9 @@ async def create_session(request: Request, body: CreateSession | None = None) ->
     meta = await service.create_session(
         session_id,
         ttl_seconds=body.ttl_seconds if body.ttl_seconds is not None else -1,
-        sampling_overrides=body.sampling,
+        sampling_overrides=None
+        if body.sampling is None
+        else body.sampling.model_dump(exclude_none=True),
         metadata=body.metadata,
         normalization=body.normalization,
         return_token_ids=body.return_token_ids,
@@ -140,7 +160,7 @@ class FinishSession(BaseModel):
     model_config = ConfigDict(extra="forbid")
     reward: float | None = Field(default=None, allow_inf_nan=False, strict=True)
     """A finite JSON number: `true` or `"1.0"` is refused, not read as 1.0."""
-    metadata: dict[str, Any] | None = None
+    metadata: Metadata | None = None
     status: FinishStatus = "ok"
     """`ok`, or why the rollout failed (a group holds or drops its failed members)."""
 
@@ -151,11 +171,11 @@ class ExportBatch(BaseModel):
     """Export exactly these (each must be finished); otherwise select by the fields below."""
     selector: str | None = None
     """`key=value,...` over the session metadata given at creation."""
-    since: float | None = None
+    since: float | None = Field(default=None, allow_inf_nan=False)
     """Finished at or after this Unix time."""
-    until: float | None = None
+    until: float | None = Field(default=None, allow_inf_nan=False)
     limit: int = Field(default=1000, ge=1, le=100_000)
-    min_weight_version: float | None = None
+    min_weight_version: float | None = Field(default=None, allow_inf_nan=False)
     stale: Literal["mask", "drop"] = "mask"
     group: str | None = Field(default=None, pattern=SESSION_ID_PATTERN.pattern)
     """Export this group (409 while it runs or is held)."""
@@ -173,8 +193,8 @@ async def list_sessions(
     request: Request,
     finished: bool = True,
     selector: str | None = None,
-    since: float | None = None,
-    until: float | None = None,
+    since: float | None = Query(default=None, allow_inf_nan=False),
+    until: float | None = Query(default=None, allow_inf_nan=False),
     limit: int = 1000,
     status: str | None = None,
     group: str | None = None,

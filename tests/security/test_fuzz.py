@@ -1,7 +1,8 @@
 """A bounded fuzzing pass over every endpoint in the live server's OpenAPI schema.
 
 Hypothesis mutates a valid request of each endpoint (a field replaced by arbitrary JSON, a
-field dropped or added, a body that is not JSON at all) and sends it with a credential drawn
+field dropped or added, a body that is not JSON at all; values include integers past 64
+bits, Infinity and NaN, and nesting thousands deep) and sends it with a credential drawn
 from every role (none, wrong, `tk-<id>`, the session's key, the admin key). The server must
 never answer 5xx, every error must be JSON, and a refused request must leave the session it
 named exactly as it was. Bounded by a time budget (FUZZ_SECONDS) as well as an example count.
@@ -36,12 +37,25 @@ BASES: dict[str, Any] = {
     "/sessions": {"id": "fuzz-made", "ttl_seconds": 60},
 }
 
+_DEEP = re.compile(r'"\\u0000deep(\d+)"')
+
+
+def _deepen(encoded: str) -> str:
+    """JSON text with each deep-nesting marker replaced by that many nested arrays (built as
+    text: `json.dumps` itself would hit Python's recursion limit)."""
+    return _DEEP.sub(lambda m: "[" * int(m[1]) + "]" * int(m[1]), encoded)
+
+
+# Integers past 64 bits, non-finite floats (`json.dumps` writes Infinity and NaN, as Python
+# clients send them) and nesting past any parser's limit: what a store, the engine request's
+# encoder or a recursive parser once failed on with a 500.
 json_values = st.recursive(
     st.none()
     | st.booleans()
     | st.integers(min_value=-(2**70), max_value=2**70)
-    | st.floats(allow_nan=False)
-    | st.text(max_size=40),
+    | st.floats()
+    | st.text(max_size=40)
+    | st.integers(min_value=100, max_value=3000).map(lambda depth: f"\x00deep{depth}"),
     lambda inner: (
         st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4)
     ),
@@ -71,7 +85,7 @@ def _base(path: str) -> Any:
 def _bodies(draw: st.DrawFn, base: Any) -> bytes | None:
     kind = draw(st.sampled_from(["valid", "replace", "drop", "add", "any", "bytes"]))
     if base is None or kind == "any":
-        return json.dumps(draw(json_values)).encode()
+        return _deepen(json.dumps(draw(json_values))).encode()
     if kind == "bytes":
         return draw(st.binary(max_size=64))
     body = json.loads(json.dumps(base))
@@ -81,7 +95,7 @@ def _bodies(draw: st.DrawFn, base: Any) -> bytes | None:
         body.pop(draw(st.sampled_from(sorted(body))))
     elif kind == "add":
         body[draw(st.text(max_size=12))] = draw(json_values)
-    return json.dumps(body).encode()
+    return _deepen(json.dumps(body)).encode()
 
 
 @pytest.fixture(scope="module")
