@@ -38,7 +38,8 @@ from tokenkeep_operator.models import (
 logger = logging.getLogger(__name__)
 
 # Children the product ships but can do without where the API server does not serve their
-# API (a PodDisruptionBudget needs policy/v1, Kubernetes >= 1.21).
+# API (a PodDisruptionBudget needs policy/v1, Kubernetes >= 1.21; a NetworkPolicy
+# networking.k8s.io/v1, served since 1.7, but its absence must not keep the engines down).
 OPTIONAL_KINDS = {"PodDisruptionBudget", "NetworkPolicy"}
 
 
