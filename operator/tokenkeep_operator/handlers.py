@@ -86,6 +86,7 @@ async def session_server_event(namespace: str, name: str, memo: kopf.Memo, **_: 
 @kopf.on.event("v1", "configmaps", labels=MANAGED)
 @kopf.on.event("v1", "serviceaccounts", labels=MANAGED)
 @kopf.on.event("policy", "poddisruptionbudgets", labels=MANAGED)
+@kopf.on.event("networking.k8s.io", "networkpolicies", labels=MANAGED)
 async def child_changed(labels: dict[str, str], namespace: str, memo: kopf.Memo, **_: Any) -> None:
     for label, kind in OWNER_LABELS.items():
         owner = labels.get(label)

@@ -21,6 +21,7 @@ PLURALS = {
     "Event": "events",
     "Lease": "leases",
     "ModelServer": "modelservers",
+    "NetworkPolicy": "networkpolicies",
     "PersistentVolumeClaim": "persistentvolumeclaims",
     "Pod": "pods",
     "PodDisruptionBudget": "poddisruptionbudgets",
@@ -135,6 +136,9 @@ class Kube:
     ) -> dict[str, Any]:
         path = resource_path(api_version, kind, namespace, name, sub)
         return self._call("PATCH", path, body=patch, content_type=MERGE_PATCH)
+
+    def delete(self, api_version: str, kind: str, namespace: str, name: str) -> None:
+        self._call("DELETE", resource_path(api_version, kind, namespace, name))
 
     def replace(self, obj: dict[str, Any]) -> dict[str, Any]:
         """PUT: fails with 409 unless `obj` carries the live resourceVersion."""

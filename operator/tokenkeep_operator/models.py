@@ -87,6 +87,17 @@ class Scheduling(CRDModel):
     priority_class_name: str | None = Field(None, description="PriorityClass of the pods.")
 
 
+class NetworkPolicy(CRDModel):
+    """Whether the operator renders NetworkPolicies that admit only the intended peers to
+    the pods it runs (they take effect only where the cluster's network plugin enforces
+    NetworkPolicy)."""
+
+    enabled: bool = Field(
+        True,
+        description="Render the NetworkPolicies; false deletes the ones rendered before.",
+    )
+
+
 # --- ModelServer -------------------------------------------------------------------------
 
 
@@ -232,6 +243,12 @@ class ModelServerSpec(CRDModel):
         description="How long a stopping replica keeps serving in-flight requests.",
     )
     scheduling: Scheduling = Scheduling()
+    network_policy: NetworkPolicy = Field(
+        NetworkPolicy(),
+        description="A NetworkPolicy admitting to the engine port only the pods of the "
+        "SessionServers that use this ModelServer and pods labelled "
+        "tokenkeep.dev/trainer=<this ModelServer's name> (a trainer's weight updates).",
+    )
 
     @model_validator(mode="after")
     def _gpus_fit_tensor_parallel(self) -> ModelServerSpec:
@@ -356,6 +373,11 @@ class SessionServerSpec(CRDModel):
         description="Refuse a new turn (409) once the engine's policy version exceeds the "
         "version that sampled the rollout's first turn by more than this "
         "(TOKENKEEP_MAX_POLICY_LAG; numeric versions). Unset: no bound.",
+    )
+    network_policy: NetworkPolicy = Field(
+        NetworkPolicy(),
+        description="A NetworkPolicy admitting to the managed Redis only this SessionServer's "
+        "pods. The session server's own pods get none: harnesses reach them from anywhere.",
     )
 
 

@@ -23,7 +23,11 @@ from tokenkeep_operator import status as st
 from tokenkeep_operator.apply import apply
 from tokenkeep_operator.kube import Kube, error_message
 from tokenkeep_operator.manifests import engine, redis, session
-from tokenkeep_operator.manifests.common import Owner, selector_string
+from tokenkeep_operator.manifests.common import (
+    NETWORK_POLICY_API_VERSION,
+    Owner,
+    selector_string,
+)
 from tokenkeep_operator.models import (
     API_VERSION,
     MAX_NAME_LENGTH,
@@ -34,8 +38,9 @@ from tokenkeep_operator.models import (
 logger = logging.getLogger(__name__)
 
 # Children the product ships but can do without where the API server does not serve their
-# API (a PodDisruptionBudget needs policy/v1, Kubernetes >= 1.21).
-OPTIONAL_KINDS = {"PodDisruptionBudget"}
+# API (a PodDisruptionBudget needs policy/v1, Kubernetes >= 1.21; a NetworkPolicy
+# networking.k8s.io/v1, served since 1.7, but its absence must not keep the engines down).
+OPTIONAL_KINDS = {"PodDisruptionBudget", "NetworkPolicy"}
 
 
 class ApplyError(Exception):
@@ -189,6 +194,24 @@ class Reconciler:
         )
         self.kube.post_event(body, "Warning", "APINotServed", message)
 
+    def _delete_network_policy(self, body: dict[str, Any], name: str) -> list[str]:
+        """Delete the NetworkPolicy `name` if this resource owns it: turned off, a policy
+        left behind would go on refusing the peers the user now means to let in. A policy
+        of the same name that someone else made is left alone. Returns the refusal, if any."""
+        namespace = body["metadata"]["namespace"]
+        try:
+            live = self.kube.get(NETWORK_POLICY_API_VERSION, "NetworkPolicy", namespace, name)
+            refs = (live or {}).get("metadata", {}).get("ownerReferences") or []
+            if any(ref.get("uid") == body["metadata"]["uid"] for ref in refs):
+                self.kube.delete(NETWORK_POLICY_API_VERSION, "NetworkPolicy", namespace, name)
+        except ApiException as error:
+            if error.status == 404:  # gone meanwhile, or the API is not served
+                return []
+            if _transient(error):
+                raise
+            return [f"NetworkPolicy {name}: {error_message(error)}"]
+        return []
+
     def _create_admin_key(self, owner: Owner) -> str | None:
         """Create the generated admin-key Secret unless it exists; the refusal's message if
         the server refuses it. Create-only (the operator may not read Secrets): applying it
@@ -251,6 +274,8 @@ class Reconciler:
             refused: list[str] = []
             if spec is not None:
                 refused = self._apply_all(body, engine.render(_owner(body), spec))
+                if not spec.network_policy.enabled:
+                    refused += self._delete_network_policy(body, engine.deployment_name(name))
             self._finish(body, self.model_server_status(body, spec, problems), refused)
 
     def model_server_status(
@@ -332,6 +357,8 @@ class Reconciler:
                 # The key first: the session server's pods read it from this Secret.
                 problem = self._create_admin_key(owner) if spec.api_key_secret_ref is None else None
                 refused = self._apply_all(body, objects)
+                if not spec.network_policy.enabled:
+                    refused += self._delete_network_policy(body, redis.statefulset_name(name))
                 if problem:
                     refused.append(problem)
             self._finish(body, self.session_server_status(body, inputs), refused)

@@ -373,3 +373,115 @@ def test_file_model_tokenizer_is_copied_from_the_engine_image() -> None:
     ][0]["args"]
     # Debian's redis-server (make images) answers pod clients only with protected mode off.
     assert redis_args[1:3] == ["--protected-mode", "no"]
+
+
+# --- NetworkPolicies --------------------------------------------------------------------
+
+
+def _admits(policy: dict[str, Any], namespace: str, pod_labels: dict[str, str], port: int) -> bool:
+    """Whether `policy` lets a pod of `namespace` with `pod_labels` connect to `port` of the
+    pods it selects, as the NetworkPolicy API defines it: a rule without `from` (or
+    without `ports`) admits every source (or port); a podSelector peer without a
+    namespaceSelector means the policy's own namespace. Constructs the operator does not
+    render fail the test rather than being guessed at."""
+    spec = policy["spec"]
+    assert spec["policyTypes"] == ["Ingress"], spec
+    for rule in spec.get("ingress", []):
+        ports = rule.get("ports")
+        if ports and not any(p["port"] == port and p["protocol"] == "TCP" for p in ports):
+            continue
+        if not rule.get("from"):
+            return True
+        for peer in rule["from"]:
+            assert list(peer) == ["podSelector"] and list(peer["podSelector"]) == ["matchLabels"]
+            wanted = peer["podSelector"]["matchLabels"]
+            same_namespace = namespace == policy["metadata"]["namespace"]
+            if same_namespace and wanted.items() <= pod_labels.items():
+                return True
+    return False
+
+
+def _selects(policy: dict[str, Any], pod_labels: dict[str, str]) -> bool:
+    return policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+
+
+def _pod_labels(objects: list[dict[str, Any]], kind: str) -> dict[str, str]:
+    workload = next(o for o in objects if o["kind"] == kind)
+    return workload["spec"]["template"]["metadata"]["labels"]
+
+
+def _policy(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    [policy] = [o for o in objects if o["kind"] == "NetworkPolicy"]
+    return policy
+
+
+def _other_sessionserver(model_server: str) -> dict[str, Any]:
+    resource = load_example("sessionserver.yaml")
+    return {
+        **resource,
+        "metadata": {"name": "other"},
+        "spec": {"modelServerRef": {"name": model_server}},
+    }
+
+
+def test_engines_admit_only_their_session_servers_and_trainers() -> None:
+    model_server = load_example("modelserver-qwen3-8b.yaml")
+    engine_objects = render_modelserver(model_server)
+    policy = _policy(engine_objects)
+    assert _selects(policy, _pod_labels(engine_objects, "Deployment"))
+    sessions = _pod_labels(SCENARIOS["sessionserver-managed-redis"](), "Deployment")
+    trainer = {"tokenkeep.dev/trainer": "qwen3-8b", "job-name": "grpo"}
+    assert _admits(policy, TEST_NAMESPACE, sessions, engine.PORT)
+    assert _admits(policy, TEST_NAMESPACE, trainer, engine.PORT)
+    # Only the engine port: nothing else the pod might listen on.
+    assert not _admits(policy, TEST_NAMESPACE, sessions, 8080)
+    other_model_sessions = _pod_labels(SCENARIOS["sessionserver-external-redis"](), "Deployment")
+    refused = [
+        (TEST_NAMESPACE, other_model_sessions),  # a session server of another ModelServer
+        (TEST_NAMESPACE, {"tokenkeep.dev/trainer": "llama-70b"}),  # another model's trainer
+        ("elsewhere", sessions),  # the very labels, in another namespace
+        ("elsewhere", trainer),
+        (TEST_NAMESPACE, {"app": "harness-sandbox"}),  # any other pod
+        (TEST_NAMESPACE, {}),
+        (TEST_NAMESPACE, _pod_labels(SCENARIOS["sessionserver-managed-redis"](), "StatefulSet")),
+    ]
+    for namespace, pod_labels in refused:
+        assert not _admits(policy, namespace, pod_labels, engine.PORT), (namespace, pod_labels)
+
+
+def test_managed_redis_admits_only_its_own_session_server() -> None:
+    objects = SCENARIOS["sessionserver-managed-redis"]()
+    policy = _policy(objects)
+    assert _selects(policy, _pod_labels(objects, "StatefulSet"))
+    assert not _selects(policy, _pod_labels(objects, "Deployment"))  # harnesses reach these
+    sessions = _pod_labels(objects, "Deployment")
+    assert _admits(policy, TEST_NAMESPACE, sessions, redis.PORT)
+    assert not _admits(policy, TEST_NAMESPACE, sessions, engine.PORT)
+    neighbour = render_sessionserver(
+        _other_sessionserver("qwen3-8b"), load_example("modelserver-qwen3-8b.yaml")
+    )
+    refused = [
+        (TEST_NAMESPACE, _pod_labels(neighbour, "Deployment")),  # same model, other server
+        (TEST_NAMESPACE, {"tokenkeep.dev/trainer": "qwen3-8b"}),
+        (
+            TEST_NAMESPACE,
+            _pod_labels(
+                render_modelserver(load_example("modelserver-qwen3-8b.yaml")), "Deployment"
+            ),
+        ),
+        ("elsewhere", sessions),
+        (TEST_NAMESPACE, {"app": "harness-sandbox"}),
+    ]
+    for namespace, pod_labels in refused:
+        assert not _admits(policy, namespace, pod_labels, redis.PORT), (namespace, pod_labels)
+
+
+def test_network_policies_can_be_turned_off() -> None:
+    model_server = load_example("modelserver-qwen3-8b.yaml")
+    model_server["spec"]["networkPolicy"] = {"enabled": False}
+    sessions = load_example("sessionserver.yaml")
+    sessions["spec"]["networkPolicy"] = {"enabled": False}
+    for objects in (render_modelserver(model_server), render_sessionserver(sessions, model_server)):
+        assert "NetworkPolicy" not in {o["kind"] for o in objects}
+    # External Redis: nothing of ours to guard.
+    assert "NetworkPolicy" not in {o["kind"] for o in SCENARIOS["sessionserver-external-redis"]()}

@@ -43,6 +43,7 @@ OPERATOR_WRITES = {
     "serviceaccounts",
     "persistentvolumeclaims",
     "poddisruptionbudgets",
+    "networkpolicies",
     "modelservers",
     "modelservers/status",
     "sessionservers",
@@ -128,6 +129,7 @@ def children(api: Api, ns: str) -> dict[str, dict[str, Any]]:
         ("v1", "configmaps"),
         ("v1", "serviceaccounts"),
         ("v1", "persistentvolumeclaims"),
+        ("networking.k8s.io/v1", "networkpolicies"),
     ]:
         for item in api.items(
             path(version, plural, ns),
@@ -145,7 +147,9 @@ def test_examples_get_their_children_status_and_events(
     PodDisruptionBudgets are skipped with one Warning each and block nothing."""
     ms = create_example(admin, ns, "modelserver-qwen3-8b.yaml")
     ss = create_example(admin, ns, "sessionserver.yaml")
-    owned = eventually(lambda: len(children(admin, ns)) >= 11 and children(admin, ns))
+    owned = eventually(lambda: len(children(admin, ns)) >= 13 and children(admin, ns))
+    # 1.20 serves networking.k8s.io/v1: the engines' and Redis' policies are applied.
+    assert {"networkpolicies/qwen3-8b-engine", "networkpolicies/rollouts-redis"} <= set(owned)
     for key, obj in owned.items():
         if key.startswith("persistentvolumeclaims/data-"):
             continue  # the StatefulSet's claim: owned by nobody unless retention says so
@@ -249,6 +253,20 @@ def test_hand_edits_are_undone_and_idle_makes_no_writes(
     assert after == before
     assert admin.get(ms_path(ns, "qwen3-8b"))["metadata"]["resourceVersion"] == ms_before
     assert cluster.write_count(OPERATOR_WRITES) == writes
+
+
+def test_a_network_policy_turned_off_is_deleted(
+    admin: Api, ns: str, operator: OperatorProcess
+) -> None:
+    """Left behind, it would go on refusing the peers the user now means to let in."""
+    create_example(admin, ns, "modelserver-qwen3-8b.yaml")
+    url = path("networking.k8s.io/v1", "networkpolicies", ns, "qwen3-8b-engine")
+    policy = eventually(lambda: admin.get(url))
+    assert policy["spec"]["ingress"][0]["ports"] == [{"port": 8000, "protocol": "TCP"}]
+    admin.patch(ms_path(ns, "qwen3-8b"), {"spec": {"networkPolicy": {"enabled": False}}})
+    eventually(lambda: admin.get(url) is None, timeout=10)
+    admin.patch(ms_path(ns, "qwen3-8b"), {"spec": {"networkPolicy": {"enabled": True}}})
+    eventually(lambda: admin.get(url), timeout=10)
 
 
 def condition_of(obj: dict[str, Any] | None, type_: str) -> dict[str, Any]:

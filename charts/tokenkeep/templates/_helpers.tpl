@@ -59,6 +59,11 @@ OwnerReferencesPermissionEnforcement admission plugin is on (OpenShift has it by
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# NetworkPolicies: the engines' and the managed Redis'; `delete` also removes one whose
+# resource turned spec.networkPolicy.enabled off.
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # Read-only: pod states explain why a rollout is stuck (missing secret, no GPU, ...).
 - apiGroups: [""]
   resources: ["pods"]

@@ -10,6 +10,12 @@ from tokenkeep_operator.models import GROUP
 MANAGED_BY = "tokenkeep-operator"
 GENERATION_ANNOTATION = f"{GROUP}/generation"
 CONFIG_HASH_ANNOTATION = f"{GROUP}/config-hash"
+# Pod labels the engines' NetworkPolicy admits, each with a ModelServer's name as its value:
+# the operator puts the first on the pods of every SessionServer that uses that ModelServer;
+# users put the second on a trainer's pods (weight updates go to the engines directly).
+USES_MODEL_SERVER_LABEL = f"{GROUP}/uses-modelserver"
+TRAINER_LABEL = f"{GROUP}/trainer"
+NETWORK_POLICY_API_VERSION = "networking.k8s.io/v1"
 # Seconds a stopping pod keeps running before it gets SIGTERM, so that its removal from
 # Service endpoints (and from the session server's DNS view) lands before it stops accepting.
 ENDPOINT_PROPAGATION_SECONDS = 10
@@ -124,4 +130,28 @@ def service_account(owner: Owner, name: str, app: str, component: str) -> dict[s
         "kind": "ServiceAccount",
         "metadata": metadata(owner, name, labels(owner, app, component)),
         "automountServiceAccountToken": False,
+    }
+
+
+def network_policy(
+    owner: Owner, name: str, app: str, component: str, port: int, peers: list[dict[str, str]]
+) -> dict[str, Any]:
+    """Ingress to the (app, component) pods of `owner` on `port` only, and only from pods of
+    this namespace (a podSelector without a namespaceSelector) carrying one of the `peers`
+    label sets. Egress is left alone. Kubelet probes still pass: NetworkPolicy cannot block
+    a pod's own node, where they come from."""
+    return {
+        "apiVersion": NETWORK_POLICY_API_VERSION,
+        "kind": "NetworkPolicy",
+        "metadata": metadata(owner, name, labels(owner, app, component)),
+        "spec": {
+            "podSelector": {"matchLabels": selector_labels(owner, app, component)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {
+                    "from": [{"podSelector": {"matchLabels": dict(peer)}} for peer in peers],
+                    "ports": [{"port": port, "protocol": "TCP"}],
+                }
+            ],
+        },
     }

@@ -11,10 +11,13 @@ from typing import Any
 from tokenkeep_operator.manifests.common import (
     ENDPOINT_PROPAGATION_SECONDS,
     GENERATION_ANNOTATION,
+    TRAINER_LABEL,
+    USES_MODEL_SERVER_LABEL,
     Owner,
     http_probe,
     labels,
     metadata,
+    network_policy,
     pod_disruption_budget,
     scheduling_fields,
     secret_env,
@@ -255,6 +258,13 @@ def cache_claim(owner: Owner, spec: ModelServerSpec) -> dict[str, Any]:
     }
 
 
+def engine_network_policy(owner: Owner) -> dict[str, Any]:
+    """The engines serve unauthenticated (any client may generate, or update weights): only
+    the session servers of this ModelServer and its labelled trainers may reach them."""
+    peers = [{USES_MODEL_SERVER_LABEL: owner.name}, {TRAINER_LABEL: owner.name}]
+    return network_policy(owner, deployment_name(owner.name), APP, COMPONENT, PORT, peers)
+
+
 def render(owner: Owner, spec: ModelServerSpec) -> list[dict[str, Any]]:
     """Every child of a ModelServer, in the order they should be applied."""
     objects = [service_account(owner, deployment_name(owner.name), APP, COMPONENT)]
@@ -265,5 +275,6 @@ def render(owner: Owner, spec: ModelServerSpec) -> list[dict[str, Any]]:
         _service(owner, deployment_name(owner.name), headless=False),
         _service(owner, pods_service_name(owner.name), headless=True),
         pod_disruption_budget(owner, deployment_name(owner.name), APP, COMPONENT),
+        *([engine_network_policy(owner)] if spec.network_policy.enabled else []),
         deployment(owner, spec),
     ]

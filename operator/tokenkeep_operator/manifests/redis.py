@@ -9,6 +9,7 @@ from tokenkeep_operator.manifests.common import (
     Owner,
     labels,
     metadata,
+    network_policy,
     scheduling_fields,
     selector_labels,
 )
@@ -23,7 +24,8 @@ REDIS_UID = 999
 # Protected mode off: without a config file redis-server answers only loopback clients unless
 # told otherwise (the official image's entrypoint says so itself, Debian's package does not);
 # in a pod the session servers are never loopback, and only they can reach it (ClusterIP-less
-# Service, no password: the namespace's network is the boundary, as with the official image).
+# Service, no password: the SessionServer's NetworkPolicy, `network_policy` below, admits its
+# own pods alone; without one the namespace's network is the boundary).
 SERVER_ARGS = [
     "redis-server",
     "--protected-mode", "no",
@@ -138,6 +140,12 @@ def service(owner: Owner) -> dict[str, Any]:
             "ports": [{"name": "redis", "port": PORT, "targetPort": "redis", "protocol": "TCP"}],
         },
     }
+
+
+def redis_network_policy(owner: Owner, clients: dict[str, str]) -> dict[str, Any]:
+    """Redis has no password: only the pods matching `clients` (the session servers of
+    this SessionServer) may reach it."""
+    return network_policy(owner, statefulset_name(owner.name), APP, COMPONENT, PORT, [clients])
 
 
 def render(owner: Owner, redis: ManagedRedis, scheduling: Scheduling) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ from tokenkeep_operator.manifests.common import (
     CONFIG_HASH_ANNOTATION,
     ENDPOINT_PROPAGATION_SECONDS,
     GENERATION_ANNOTATION,
+    USES_MODEL_SERVER_LABEL,
     Owner,
     http_probe,
     labels,
@@ -159,6 +160,7 @@ def _secret_env(
 def deployment(
     owner: Owner,
     spec: SessionServerSpec,
+    model_server_name: str,
     model_server: ModelServerSpec,
     data: dict[str, str],
     default_image: str,
@@ -230,7 +232,8 @@ def deployment(
             },
             "template": {
                 "metadata": {
-                    "labels": dict(object_labels),
+                    # What the ModelServer's NetworkPolicy admits to the engines.
+                    "labels": object_labels | {USES_MODEL_SERVER_LABEL: model_server_name},
                     # A changed ConfigMap rolls the pods, which read it only at start-up.
                     "annotations": {CONFIG_HASH_ANNOTATION: config_hash},
                 },
@@ -310,11 +313,13 @@ def render(
     objects: list[dict[str, Any]] = []
     if spec.redis.mode == "Managed":
         objects += redis.render(owner, spec.redis.managed, spec.scheduling)
+        if spec.network_policy.enabled:
+            objects.append(redis.redis_network_policy(owner, pod_selector(owner)))
     return [
         *objects,
         service_account(owner, deployment_name(owner.name), APP, COMPONENT),
         config_map(owner, data),
         service(owner, spec),
         pod_disruption_budget(owner, deployment_name(owner.name), APP, COMPONENT),
-        deployment(owner, spec, model_server, data, default_image),
+        deployment(owner, spec, model_server_name, model_server, data, default_image),
     ]
