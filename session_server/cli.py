@@ -160,7 +160,8 @@ def _service(settings: Any) -> Any:
         raise _StartError(f"renderer {settings.renderer!r}: {one_line(exc)}") from None
     try:
         return build_service(settings, model=model)
-    except ValueError as exc:  # a setting the store cannot use (a Redis URL's scheme)
+    except ValueError as exc:  # a setting the store cannot use (a Redis URL's scheme), or
+        # sampling overrides every turn would fail on
         raise _StartError(one_line(exc)) from None
 
 
