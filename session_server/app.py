@@ -40,7 +40,7 @@ from session_server.splice import GENERIC, ChatModel
 from session_server.store import open_store
 from session_server.store.base import SessionStore
 from session_server.tokenizer import load_tokenizer
-from session_server.turns import TurnService
+from session_server.turns.service import TurnService
 
 log = logging.getLogger("tokenkeep.requests")
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 
 if TYPE_CHECKING:
-    from session_server.turns import TurnService
+    from session_server.turns.service import TurnService
 
 
 def turn_service(request: Request) -> TurnService:

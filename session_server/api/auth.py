@@ -39,7 +39,8 @@ from session_server.api.session_ids import (
 )
 from session_server.settings import Settings, is_loopback
 from session_server.store.base import SessionMeta
-from session_server.turns import TurnService, session_key_request
+from session_server.turns.service import TurnService
+from session_server.turns.sessions import session_key_request
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 ANY_CREDENTIAL_PATHS = frozenset({"/v1/models", "/tokenize", "/detokenize"})
@@ -159,6 +160,6 @@ class Guard:
         def opens(meta: SessionMeta) -> bool:
             return bool(meta.key_hash) and _same(meta.key_hash, digest)
 
-        if await self.service.keyed_session(session_id, opens) is None:
+        if await self.service.sessions.keyed(session_id, opens) is None:
             return None, None
         return session_id, digest

@@ -72,7 +72,7 @@ async def create_session(request: Request, body: CreateSession | None = None) ->
     if body.id and await service.store.get_session(session_id) is not None:
         raise APIError(409, f"session {session_id!r} already exists", param="id")
     api_key, key_hash = issue_session_key(session_id)
-    meta = await service.create_session(
+    meta = await service.sessions.create(
         session_id,
         ttl_seconds=body.ttl_seconds if body.ttl_seconds is not None else -1,
         sampling_overrides=body.sampling,
@@ -209,7 +209,7 @@ async def list_sessions(
                 "group": meta.group,
                 "finish": _finish_json(finish),
                 "first_weight_version": finish.first_weight_version,
-                "policy_lag_exceeded": turn_service(request).lag_exceeded(
+                "policy_lag_exceeded": turn_service(request).policy.lag_exceeded(
                     finish.first_weight_version
                 ),
             }
@@ -288,7 +288,9 @@ async def export_batch(body: ExportBatch, request: Request) -> StreamingResponse
     async def lines() -> AsyncIterator[bytes]:
         try:
             async for row in batch.rows(store, selected, staleness, body.branches):
-                row["policy_lag_exceeded"] = service.lag_exceeded(row["first_weight_version"])
+                row["policy_lag_exceeded"] = service.policy.lag_exceeded(
+                    row["first_weight_version"]
+                )
                 yield json.dumps(row, separators=(",", ":")).encode() + b"\n"
         except SessionNotFound as exc:
             error = {"message": f"session {exc.args[0]!r} was deleted during the export"}
@@ -359,7 +361,7 @@ async def get_session(session_id: str, request: Request) -> dict[str, Any]:
     service = turn_service(request)
     turns = await service.store.all_turns(session_id)
     finish = await service.store.get_finish(session_id)
-    first_version, lag_exceeded = service.policy_lag(turns[0] if turns else None)
+    first_version, lag_exceeded = service.policy.policy_lag(turns[0] if turns else None)
     return {
         "id": session_id,
         "created_at": meta.created_at,
@@ -371,7 +373,7 @@ async def get_session(session_id: str, request: Request) -> dict[str, Any]:
         "group_size": meta.group_size,
         "finish": _finish_json(finish),
         **export.summary(session_id, turns),
-        "engine_weight_versions": service.engine_versions(),
+        "engine_weight_versions": service.policy.engine_versions(),
         "first_weight_version": first_version,
         "policy_lag_exceeded": lag_exceeded,
         **_urls(request, session_id),
@@ -417,6 +419,6 @@ async def get_image(session_id: str, sha256: str, request: Request) -> Response:
 @router.delete("/sessions/{session_id}", status_code=204)
 async def delete_session(session_id: str, request: Request) -> Response:
     check_session_id(session_id)
-    if not await turn_service(request).delete_session(session_id):
+    if not await turn_service(request).sessions.delete(session_id):
         raise APIError(404, f"session {session_id!r} not found", param="session_id")
     return Response(status_code=204)
