@@ -32,6 +32,7 @@ from session_server.api.auth import Guard
 from session_server.api.lane import LanedFastAPI
 from session_server.api.limits import BodyLimit
 from session_server.engines import EngineClient
+from session_server.management import SessionService
 from session_server.metrics import Metrics
 from session_server.sampling import generation_defaults
 from session_server.service_config import ServiceConfig
@@ -127,6 +128,7 @@ def create_app(settings: Settings, service: TurnService | None = None) -> LanedF
 
     app = LanedFastAPI(title="tokenkeep session server", version=__version__, lifespan=lifespan)
     app.state.turns = service
+    app.state.sessions = SessionService(service)
     app.state.settings = settings
     admission = Admission(
         service.metrics,

@@ -13,14 +13,15 @@ class ProofFailed(RuntimeError):
 
 class Refused(RuntimeError):
     """A request the core refuses as it stands, nothing stored: `status` (409, 422...),
-    `kind` (the error type), `retry_after_s` when trying again later can succeed."""
+    `kind` (the error type; None: the API's usual type for the status), `param`, and
+    `retry_after_s` when trying again later can succeed."""
 
     def __init__(
         self,
         status: int,
         message: str,
         *,
-        kind: str,
+        kind: str | None = None,
         param: str | None = None,
         retry_after_s: int | None = None,
     ) -> None:

@@ -20,6 +20,7 @@ from session_server.conversation import Conversation
 from session_server.engines import EngineClient, GenerationDelta
 from session_server.images import ImageInput, collapse, find_runs
 from session_server.metrics import Metrics
+from session_server.reply_split import ReplyStreamer
 from session_server.results import (
     ChoiceDelta,
     ChoiceFinished,
@@ -35,7 +36,6 @@ from session_server.store.base import (
     SessionStore,
     WeightSpan,
 )
-from session_server.reply_split import ReplyStreamer
 from session_server.turns.errors import Aborted, ProofFailed
 from session_server.turns.flights import Cut, Flight, Flights
 from session_server.turns.idempotency import IdempotencyClaims, replay_events
