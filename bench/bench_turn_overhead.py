@@ -33,7 +33,8 @@ from session_server.splice import ChatModel
 from session_server.store.memory import MemoryStore
 from session_server.store.redis import RedisStore
 from session_server.tokenizer import load_tokenizer
-from session_server.turns import TurnService, _Sampled
+from session_server.turns.recording import Sampled
+from session_server.turns.service import TurnService
 
 # tests/ helpers, shared rather than copied.
 sys.path.append(str(Path(__file__).resolve().parents[1]))
@@ -63,7 +64,7 @@ async def _grow(
     turn = 0
     while True:
         conversation = Conversation(messages=list(messages), tools=TOOLS)
-        plan = await service.plan(session_id, conversation)
+        plan = await service.planner.plan(session_id, conversation)
         if len(plan.prompt_ids) >= target:
             return messages
         args = f'{{"path": "src/module_{turn}.py"}}'
@@ -87,10 +88,10 @@ async def _store_turn(
 ) -> None:
     """What the service does after generation: parse the sampled tokens, store the turn."""
     reply = model.parse(completion, "stop", plan.prompt_ids, TOOLS)
-    sampled = _Sampled(
+    sampled = Sampled(
         0, completion, [-0.1] * len(completion), "stop", None, reply.message, reply.finish_reason
     )
-    await service._record(plan, conversation, [sampled])
+    await service.recorder.record(plan, conversation, [sampled])
 
 
 def _percentiles(samples: list[float]) -> tuple[float, float]:
@@ -119,7 +120,7 @@ async def _measure(
         varied = Message(last.role, f"{last.content} #{i}", tool_call_id=last.tool_call_id)
         conversation = Conversation(messages=[*messages[:-1], varied], tools=TOOLS)
         started = time.perf_counter()
-        plan = await service.plan(session_id, conversation)
+        plan = await service.planner.plan(session_id, conversation)
         _, body = engine._body(
             replica, _Call(session_id, plan.prompt_ids, plan.sampling, None, False)
         )

@@ -31,9 +31,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 SPLICE = "session_server/splice.py"
-TURNS = "session_server/turns.py"
+SERVICE = "session_server/turns/service.py"
+PLANNING = "session_server/turns/planning.py"
 EXPORT = "session_server/export.py"
-STREAMING = "session_server/streaming.py"
+STREAMING = "session_server/reply_split.py"
 CONVERSATION = "session_server/conversation.py"
 CHAT = "session_server/api/chat.py"
 MESSAGES = "session_server/api/messages.py"
@@ -147,7 +148,7 @@ MUTANTS = [
     Mutant(
         "disable_engine_prompt_check",
         "the engine's report of the prompt it received is not compared with what was sent",
-        TURNS,
+        SERVICE,
         (
             (
                 "        if reported is not None and reported != plan.prompt_ids:",
@@ -158,41 +159,41 @@ MUTANTS = [
     Mutant(
         "proof_failure_not_counted",
         "a refused engine report is not counted in tokenkeep_proof_failures",
-        TURNS,
+        SERVICE,
         (("            self.metrics.proof_failures.inc()\n", ""),),
     ),
     Mutant(
         "break_reason_lost",
         "a refused bridge is recorded as `history_mismatch` instead of its own reason",
-        TURNS,
+        PLANNING,
         (
             (
-                '            reason or "history_mismatch",\n',
-                '            "history_mismatch",\n',
+                '"rewrite", reason or "history_mismatch"',
+                '"rewrite", "history_mismatch"',
             ),
         ),
     ),
     Mutant(
         "last_stored_token_dropped",
         "the spliced prompt loses the last stored token before the bridge",
-        TURNS,
+        PLANNING,
         (
             (
-                "                    stored + bridge.delta,",
-                "                    stored[:-1] + bridge.delta,",
+                "prompt=stored + bridge.delta,",
+                "prompt=stored[:-1] + bridge.delta,",
             ),
         ),
     ),
     Mutant(
         "fork_reported_as_extend",
         "extend and fork are swapped when a turn already has a continuation",
-        TURNS,
+        PLANNING,
         (
             (
                 '                kind = "fork" if found.parent_children else "extend"\n'
-                "                return self._plan(",
+                "                plan = self._plan(",
                 '                kind = "extend" if found.parent_children else "fork"\n'
-                "                return self._plan(",
+                "                plan = self._plan(",
             ),
         ),
     ),
@@ -349,8 +350,8 @@ MUTANTS = [
         LOOKUP_LUA,
         (
             (
-                "reply[4] = tonumber(redis.call('HGET', parents, 'c' .. id) or '0')",
-                "reply[4] = 0",
+                "reply[5] = tonumber(redis.call('HGET', parents, 'c' .. id) or '0')",
+                "reply[5] = 0",
             ),
         ),
     ),

@@ -32,6 +32,7 @@ from session_server.api.auth import Guard
 from session_server.api.lane import LanedFastAPI
 from session_server.api.limits import BodyLimit
 from session_server.engines import EngineClient
+from session_server.management import SessionService
 from session_server.metrics import Metrics
 from session_server.sampling import check_sampling, generation_defaults
 from session_server.service_config import ServiceConfig
@@ -40,7 +41,7 @@ from session_server.splice import GENERIC, ChatModel
 from session_server.store import open_store
 from session_server.store.base import SessionStore
 from session_server.tokenizer import load_tokenizer
-from session_server.turns import TurnService
+from session_server.turns.service import TurnService
 
 log = logging.getLogger("tokenkeep.requests")
 
@@ -130,6 +131,7 @@ def create_app(settings: Settings, service: TurnService | None = None) -> LanedF
 
     app = LanedFastAPI(title="tokenkeep session server", version=__version__, lifespan=lifespan)
     app.state.turns = service
+    app.state.sessions = SessionService(service)
     app.state.settings = settings
     admission = Admission(
         service.metrics,

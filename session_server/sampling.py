@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from session_server.conversation import Conversation, ConversationError
+from session_server.tool_choice import tool_choice_constraint
 
 if TYPE_CHECKING:
     from session_server.service_config import ServiceConfig
@@ -114,7 +115,7 @@ def build_sampling(
     )
     if conversation.response_format:
         params["structured_outputs"] = conversation.response_format
-    forced = model.tool_choice_constraint(conversation.tools, conversation.tool_choice)
+    forced = tool_choice_constraint(model, conversation.tools, conversation.tool_choice)
     if forced is not None:
         if conversation.response_format:
             raise ConversationError(

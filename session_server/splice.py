@@ -636,128 +636,6 @@ class ChatModel:
             finish_reason = "tool_calls"
         return ParsedReply(message=message, finish_reason=finish_reason)
 
-    # --- constrained tool calls -------------------------------------------------------
-
-    @property
-    def tool_call_syntax(self) -> str | None:
-        """How this model writes a tool call: `hermes` (`<tool_call>{json}</tool_call>`, Qwen3
-        and the generic parser for templates with those tokens), `llama3-json` (a bare
-        `{"name", "parameters"}` object), `learned` (the syntax learned from the template:
-        `session_server/toolsyntax.py`), or None where none is known."""
-        if self.family == "qwen3" or (
-            self.family == GENERIC
-            and self.learned_calls is None
-            and not self.path.syntax_unlearned
-            and _has_tokens(self.tokenizer, "<tool_call>", "</tool_call>")
-        ):
-            return "hermes"
-        if self.family == "llama-3":
-            return "llama3-json"
-        return "learned" if isinstance(self.tool_syntax, ToolSyntax) else None
-
-    def tool_choice_constraint(
-        self, tools: list[Tool], choice: str | dict[str, Any] | None
-    ) -> dict[str, Any] | None:
-        """The vLLM structured-output constraint that makes the sampled tokens a call in the
-        model's own tool-call syntax, for `tool_choice` "required" or a named function (None
-        for auto/none). A choice that cannot be enforced is refused, never ignored."""
-        if choice is None or choice in ("auto", "none"):
-            return None
-        if not (choice == "required" or isinstance(choice, dict)):
-            raise ConversationError(f"unknown tool_choice {choice!r}", param="tool_choice")
-        if not tools:
-            raise ConversationError("tool_choice requires tools", param="tool_choice")
-        named = isinstance(choice, dict)
-        chosen = [t for t in tools if t.name == choice["name"]] if named else tools
-        if not chosen:
-            raise ConversationError(
-                f"tool_choice names {choice['name']!r}, which is not among the tools",
-                param="tool_choice",
-            )
-        syntax = self.tool_call_syntax
-        if syntax == "hermes":
-            # The markers are matched as the model's own special tokens: spelled in sub-words
-            # they would be text to the parser, and the call would not be one.
-            vocab = self.tokenizer.get_vocab()
-            tags = [
-                {
-                    "type": "tag",
-                    "begin": {"type": "token", "token": vocab["<tool_call>"]},
-                    "content": {
-                        "type": "sequence",
-                        "elements": [
-                            {
-                                "type": "const_string",
-                                "value": f'\n{{"name": {json.dumps(t.name)}, "arguments": ',
-                            },
-                            # Bounded whitespace runs: pretty-printed arguments fit, but a
-                            # sampler cannot stall inside the call until max_tokens.
-                            {
-                                "type": "json_schema",
-                                "json_schema": _schema(t),
-                                "max_whitespace_cnt": 16,
-                            },
-                            {"type": "const_string", "value": "}\n"},
-                        ],
-                    },
-                    "end": {"type": "token", "token": vocab["</tool_call>"]},
-                }
-                for t in chosen
-            ]
-            tag_format = {
-                "type": "tags_with_separator",
-                "tags": tags,
-                "separator": "\n",
-                "at_least_one": True,
-                "stop_after_first": named,
-            }
-            return {"structural_tag": json.dumps({"type": "structural_tag", "format": tag_format})}
-        if syntax == "llama3-json":
-            calls = [
-                {
-                    "type": "object",
-                    "properties": {"name": {"const": t.name}, "parameters": _schema(t)},
-                    "required": ["name", "parameters"],
-                    "additionalProperties": False,
-                }
-                for t in chosen
-            ]
-            return {"json": calls[0] if len(calls) == 1 else {"anyOf": calls}}
-        learned = self.tool_syntax
-        if syntax == "learned" and isinstance(learned, ToolSyntax):
-            close = self.think_ids[1]
-            tag = learned.constraint(
-                [(t.name, _schema(t)) for t in chosen],
-                self._literal,
-                None if close is None else str(self.tokenizer.convert_ids_to_tokens(close)),
-            )
-            if tag is not None:
-                return {"structural_tag": json.dumps({"type": "structural_tag", "format": tag})}
-        raise ConversationError(
-            f"tool_choice {json.dumps(choice)} cannot be enforced: the served model's tool-call "
-            f"syntax ({self.family} template) is not one tokenkeep can constrain; use "
-            '"auto" or a structured_outputs constraint',
-            param="tool_choice",
-        )
-
-    def _literal(self, text: str) -> list[dict[str, Any]]:
-        """Text as structural-tag elements: the model's special tokens as tokens (spelled in
-        sub-words they would be text to the parser), the rest as strings."""
-        added = {
-            str(getattr(t, "content", t)): int(i)
-            for i, t in (getattr(self.tokenizer, "added_tokens_decoder", {}) or {}).items()
-        }
-        names = sorted((n for n in added if n and n in text), key=len, reverse=True)
-        if not names:
-            return [{"type": "const_string", "value": text}] if text else []
-        out: list[dict[str, Any]] = []
-        for piece in re.split("(" + "|".join(re.escape(n) for n in names) + ")", text):
-            if piece in added:
-                out.append({"type": "token", "token": added[piece]})
-            elif piece:
-                out.append({"type": "const_string", "value": piece})
-        return out
-
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=False)
 
@@ -786,7 +664,7 @@ def sampled_arguments(raw: str, parsed: Any) -> str:
     return json.dumps(parsed, ensure_ascii=False)
 
 
-def _schema(tool: Tool) -> dict[str, Any]:
+def tool_schema(tool: Tool) -> dict[str, Any]:
     return tool.parameters or {"type": "object"}
 
 
@@ -841,7 +719,7 @@ def _carries_messages(tokenizer: Any, delta: list[int], messages: list[Message])
     return True
 
 
-def _has_tokens(tokenizer: Any, *tokens: str) -> bool:
+def has_tokens(tokenizer: Any, *tokens: str) -> bool:
     vocab = tokenizer.get_vocab()
     return all(t in vocab for t in tokens)
 
@@ -1156,8 +1034,8 @@ def _generic_renderer(tokenizer: Any) -> Any:
     return create_renderer(
         tokenizer,
         DefaultRendererConfig(
-            tool_parser="qwen3" if _has_tokens(tokenizer, "<tool_call>", "</tool_call>") else None,
-            reasoning_parser="think" if _has_tokens(tokenizer, "<think>", "</think>") else None,
+            tool_parser="qwen3" if has_tokens(tokenizer, "<tool_call>", "</tool_call>") else None,
+            reasoning_parser="think" if has_tokens(tokenizer, "<think>", "</think>") else None,
         ),
     )
 
@@ -1197,7 +1075,7 @@ def _offline_harmony_encoding() -> None:
 def _try_renderer(tokenizer: Any, family: str) -> Any:
     """The family's renderer on this tokenizer, or None where it cannot be built (its special
     tokens are missing, or its encoding cannot be loaded offline)."""
-    if family == "gpt-oss" and not _has_tokens(tokenizer, "<|channel|>", "<|message|>"):
+    if family == "gpt-oss" and not has_tokens(tokenizer, "<|channel|>", "<|message|>"):
         return None  # its harmony encoding is loaded from elsewhere; not a harmony vocabulary
     try:
         return _family_renderer(tokenizer, family)

@@ -19,10 +19,8 @@ refuses to listen on a non-loopback address unless `--insecure` says that is int
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import re
-import secrets
 
 from starlette.requests import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -30,16 +28,17 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from session_server.api import errors
 from session_server.api.session_ids import (
     API_KEY_PREFIX,
-    SESSION_KEY_PREFIX,
     AmbiguousCredentials,
     InvalidSessionId,
     check_session_id,
     presented,
     session_of_key,
 )
+from session_server.keys import key_digest
 from session_server.settings import Settings, is_loopback
 from session_server.store.base import SessionMeta
-from session_server.turns import TurnService, session_key_request
+from session_server.turns.service import TurnService
+from session_server.turns.sessions import session_key_request
 
 OPEN_PATHS = frozenset({"/healthz", "/readyz", "/metrics"})
 ANY_CREDENTIAL_PATHS = frozenset({"/v1/models", "/tokenize", "/detokenize"})
@@ -55,17 +54,6 @@ def is_open(path: str) -> bool:
     if path in OPEN_PATHS or path == "/ui":
         return True
     return path.startswith("/ui/") and not path.startswith("/ui/api/")
-
-
-def issue_session_key(session_id: str) -> tuple[str, str]:
-    """A new session key and the digest the store keeps (the key itself is never stored)."""
-    key = f"{SESSION_KEY_PREFIX}{secrets.token_urlsafe(32)}.{session_id}"
-    return key, key_digest(key)
-
-
-def key_digest(key: str) -> str:
-    # A fast hash is enough: the secret has 256 random bits, nothing to brute-force.
-    return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _same(a: str, b: str) -> bool:
@@ -159,6 +147,6 @@ class Guard:
         def opens(meta: SessionMeta) -> bool:
             return bool(meta.key_hash) and _same(meta.key_hash, digest)
 
-        if await self.service.keyed_session(session_id, opens) is None:
+        if await self.service.sessions.keyed(session_id, opens) is None:
             return None, None
         return session_id, digest

@@ -24,7 +24,7 @@ from session_server.api.session_ids import (
 from session_server.conversation import ConversationError
 from session_server.engines import EngineError
 from session_server.store.base import SessionNotFound, StoreUnavailable, UnknownParent
-from session_server.turns import ProofFailed, Refused, SessionMissing
+from session_server.turns.errors import ProofFailed, Refused, SessionMissing
 
 log = logging.getLogger(__name__)
 

@@ -77,7 +77,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
     service = turn_service(request)
     model = service.model
     if body.prompt is not None:
-        service.check_fits(len(body.prompt), param="prompt")
+        service.planner.check_fits(len(body.prompt), param="prompt")
         tokens = list(
             model.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         )
@@ -85,7 +85,7 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         conversation = to_conversation(
             ChatCompletionRequest(messages=body.messages or [], tools=body.tools)
         )
-        service.check_fits(text_chars(conversation), len(conversation.messages))
+        service.planner.check_fits(text_chars(conversation), len(conversation.messages))
         await images.admit(conversation.messages, model.vision is not None)
         tokens = model.render_prompt(conversation.messages, conversation.tools)
     config = service.config

@@ -537,7 +537,7 @@ async def _count_tokens(session_id: str, wire: CountTokensRequest, request: Requ
     service = turn_service(request)
     request.state.session_id = session_id
     request.state.api = "messages"
-    service.check_fits(text_chars(conversation), len(conversation.messages))
+    service.planner.check_fits(text_chars(conversation), len(conversation.messages))
     prompt = service.model.render_prompt(conversation.messages, conversation.tools)
     return {"input_tokens": len(prompt)}
 

@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from fastapi import Request
 from starlette.types import Scope
 
+from session_server.keys import SESSION_KEY_PREFIX
+
 SESSION_ID_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 API_KEY_PREFIX = "tk-"
-SESSION_KEY_PREFIX = "tks-"
 
 
 class InvalidSessionId(ValueError):

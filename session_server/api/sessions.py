@@ -1,11 +1,9 @@
-"""Session management, finished rollouts and trajectory export (single and batch)."""
+"""Session management, finished rollouts and trajectory export (single and batch): each
+handler parses its request and calls `management.SessionService`."""
 
 from __future__ import annotations
 
 import json
-import math
-import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Annotated, Any, Literal
 
@@ -14,20 +12,14 @@ from fastapi.responses import StreamingResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
 from session_server import batch, export
-from session_server.api import turn_service
-from session_server.api.auth import issue_session_key
+from session_server.api import session_service
 from session_server.api.errors import APIError
 from session_server.api.session_ids import SESSION_ID_PATTERN, check_session_id
 from session_server.conversation import MAX_JSON_DEPTH, too_deep
 from session_server.images import image_media_type
+from session_server.management import finish_json, staleness
 from session_server.sampling import SamplingParams
-from session_server.store.base import (
-    FINISH_STATUSES,
-    AlreadyFinished,
-    Finish,
-    FinishStatus,
-    SessionNotFound,
-)
+from session_server.store.base import FINISH_STATUSES, FinishStatus
 
 router = APIRouter()
 
@@ -83,29 +75,17 @@ def _urls(request: Request, session_id: str) -> dict[str, str]:
 @router.post("/sessions", status_code=201)
 async def create_session(request: Request, body: CreateSession | None = None) -> dict[str, Any]:
     body = body or CreateSession()
-    if (body.group is None) != (body.group_size is None):
-        raise APIError(400, "group and group_size go together", param="group_size")
-    service = turn_service(request)
-    session_id = body.id or uuid.uuid4().hex
-    if body.id and await service.store.get_session(session_id) is not None:
-        raise APIError(409, f"session {session_id!r} already exists", param="id")
-    api_key, key_hash = issue_session_key(session_id)
-    meta = await service.create_session(
-        session_id,
-        ttl_seconds=body.ttl_seconds if body.ttl_seconds is not None else -1,
-        sampling_overrides=None
-        if body.sampling is None
-        else body.sampling.model_dump(exclude_none=True),
+    meta, api_key = await session_service(request).create(
+        body.id,
+        ttl_seconds=body.ttl_seconds,
+        sampling=None if body.sampling is None else body.sampling.model_dump(exclude_none=True),
         metadata=body.metadata,
         normalization=body.normalization,
         return_token_ids=body.return_token_ids,
-        key_hash=key_hash,
         routed_experts=body.routed_experts,
         group=body.group,
         group_size=body.group_size,
     )
-    if meta.key_hash != key_hash:  # created concurrently by another request: not ours
-        raise APIError(409, f"session {session_id!r} already exists", param="id")
     return {
         "id": meta.session_id,
         "created_at": meta.created_at,
@@ -119,41 +99,6 @@ async def create_session(request: Request, body: CreateSession | None = None) ->
         # The only time the key is shown: the store keeps its digest only.
         "api_key": api_key,
     }
-
-
-async def _existing(request: Request, session_id: str) -> Any:
-    check_session_id(session_id)
-    meta = await turn_service(request).store.get_session(session_id)
-    if meta is None:
-        raise APIError(404, f"session {session_id!r} not found", param="session_id")
-    return meta
-
-
-def _finish_json(finish: Finish | None) -> dict[str, Any] | None:
-    if finish is None:
-        return None
-    return {
-        "finished_at": finish.finished_at,
-        "reward": finish.reward,
-        "status": finish.status,
-        "metadata": finish.metadata,
-    }
-
-
-def _staleness(
-    min_weight_version: float | None, stale: Literal["mask", "drop"]
-) -> export.Staleness | None:
-    if min_weight_version is None:
-        return None
-    if not math.isfinite(min_weight_version):
-        raise APIError(
-            400, "min_weight_version must be a finite number", param="min_weight_version"
-        )
-    return export.Staleness(min_weight_version, stale)
-
-
-def _batch_error(error: batch.BatchError) -> APIError:
-    return APIError(error.status, error.message, param=error.param)
 
 
 class FinishSession(BaseModel):
@@ -202,40 +147,17 @@ async def list_sessions(
     """Finished sessions (the only ones listed: a listing of running ones would need an
     index written on every turn), each with `first_weight_version` and
     `policy_lag_exceeded`, or with `group`, that group's state and every member."""
+    service = session_service(request)
     if group is not None:
-        return await _group_state(request, group)
+        return await service.group_state(check_session_id(group))
     if not finished:
         raise APIError(
             400, "only finished sessions can be listed (finished=true)", param="finished"
         )
-    if not 1 <= limit <= 100_000:
-        raise APIError(400, "limit must be between 1 and 100000", param="limit")
-    try:
-        found = await batch.select(
-            turn_service(request).store,
-            selector=batch.parse_selector(selector),
-            since=since,
-            until=until,
-            limit=limit,
-        )
-    except batch.BatchError as exc:
-        raise _batch_error(exc) from exc
-    found = batch.with_status(found, _statuses(status))
-    return {
-        "sessions": [
-            {
-                "id": sid,
-                "metadata": meta.metadata,
-                "group": meta.group,
-                "finish": _finish_json(finish),
-                "first_weight_version": finish.first_weight_version,
-                "policy_lag_exceeded": turn_service(request).lag_exceeded(
-                    finish.first_weight_version
-                ),
-            }
-            for sid, meta, finish in found
-        ]
-    }
+    sessions = await service.finished(
+        selector=selector, since=since, until=until, limit=limit, statuses=_statuses(status)
+    )
+    return {"sessions": sessions}
 
 
 def _statuses(text: str | None) -> list[str] | None:
@@ -252,69 +174,29 @@ def _statuses(text: str | None) -> list[str] | None:
     return wanted
 
 
-async def _group_state(request: Request, group_id: str) -> dict[str, Any]:
-    check_session_id(group_id)
-    found = await batch.groups(turn_service(request).store, [group_id])
-    if group_id not in found:
-        raise APIError(404, f"group {group_id!r} not found", param="group")
-    group = found[group_id]
-    return {
-        **group.state(),
-        "members": [
-            {"id": meta.session_id, "finish": _finish_json(finish)}
-            for meta, finish in group.members
-        ],
-    }
-
-
 @router.post("/sessions/export", response_model=None)
 async def export_batch(body: ExportBatch, request: Request) -> StreamingResponse:
     """Finished sessions as JSONL, one line per segment (`session_server.export.rows`).
     Every session is checked before the first line; a session deleted while the export
     streams ends it with an `{"error": ...}` line."""
-    service = turn_service(request)
-    store = service.store
-    staleness = _staleness(body.min_weight_version, body.stale)
-    try:
-        if body.group is not None:
-            found = await batch.groups(store, [body.group])
-            if body.group not in found:
-                raise APIError(404, f"group {body.group!r} not found", param="group")
-            selected = found[body.group].finished
-        elif body.session_ids is not None:
-            for session_id in body.session_ids:
-                check_session_id(session_id)
-            selected = await batch.named(store, body.session_ids)
-        else:
-            selected = await batch.select(
-                store,
-                selector=batch.parse_selector(body.selector),
-                since=body.since,
-                until=body.until,
-                limit=body.limit,
-            )
-        selected = await batch.whole_groups(
-            store,
-            selected,
-            failed_members=body.failed_members,
-            strict=body.group is not None or body.session_ids is not None,
-        )
-    except batch.BatchError as exc:
-        raise _batch_error(exc) from exc
-    selected = batch.with_status(selected, body.status)
-    if not selected:
-        raise APIError(404, "no finished session matches this export", param="selector")
-
-    async def lines() -> AsyncIterator[bytes]:
-        try:
-            async for row in batch.rows(store, selected, staleness, body.branches):
-                row["policy_lag_exceeded"] = service.lag_exceeded(row["first_weight_version"])
-                yield json.dumps(row, separators=(",", ":")).encode() + b"\n"
-        except SessionNotFound as exc:
-            error = {"message": f"session {exc.args[0]!r} was deleted during the export"}
-            yield json.dumps({"error": error}).encode() + b"\n"
-
-    return StreamingResponse(lines(), media_type="application/x-ndjson")
+    service = session_service(request)
+    stale_filter = staleness(body.min_weight_version, body.stale)
+    for session_id in body.session_ids or ():
+        check_session_id(session_id)
+    selected = await service.export_selection(
+        group=body.group,
+        session_ids=body.session_ids,
+        selector=body.selector,
+        since=body.since,
+        until=body.until,
+        limit=body.limit,
+        failed_members=body.failed_members,
+        statuses=body.status,
+    )
+    return StreamingResponse(
+        service.export_lines(selected, stale_filter, body.branches),
+        media_type="application/x-ndjson",
+    )
 
 
 @router.post("/sessions/{session_id}/finish")
@@ -322,18 +204,13 @@ async def finish_session(
     session_id: str, request: Request, body: FinishSession | None = None
 ) -> dict[str, Any]:
     body = body or FinishSession()
-    await _existing(request, session_id)
-    finish = Finish(
-        finished_at=time.time(),
+    finish, cut = await session_service(request).finish(
+        check_session_id(session_id),
         reward=body.reward,
-        metadata=body.metadata or {},
+        metadata=body.metadata,
         status=body.status,
     )
-    try:
-        cut = await turn_service(request).finish(session_id, finish)
-    except AlreadyFinished as exc:
-        raise APIError(409, f"session {session_id!r} is already finished") from exc
-    return {"id": session_id, "finish": _finish_json(finish), "in_flight_cut": cut}
+    return {"id": session_id, "finish": finish_json(finish), "in_flight_cut": cut}
 
 
 class AbortSession(BaseModel):
@@ -355,47 +232,16 @@ async def abort_session(
     Answers once those on this server have (at most ~10 s); `aborted` counts them (a request
     still queued for a slot excepted)."""
     body = body or AbortSession()
-    await _existing(request, session_id)
-    service = turn_service(request)
-    finish = None
-    if body.finish:
-        # Frozen first, atomically: an abort racing another finish changes nothing and
-        # cuts nothing (409); the generations it then cuts are stored nowhere (see finish).
-        finish = Finish(finished_at=time.time(), metadata={"status": "aborted"}, status="aborted")
-        try:
-            aborted = await service.finish(session_id, finish)
-        except AlreadyFinished as exc:
-            raise APIError(409, f"session {session_id!r} is already finished") from exc
-    else:
-        if await service.store.get_finish(session_id) is not None:
-            raise APIError(409, f"session {session_id!r} is finished; nothing to abort")
-        aborted = await service.abort(session_id)
-    return {"id": session_id, "aborted": aborted, "finish": _finish_json(finish)}
+    aborted, finish = await session_service(request).abort(
+        check_session_id(session_id), finish=body.finish
+    )
+    return {"id": session_id, "aborted": aborted, "finish": finish_json(finish)}
 
 
 @router.get("/sessions/{session_id}")
 async def get_session(session_id: str, request: Request) -> dict[str, Any]:
-    meta = await _existing(request, session_id)
-    service = turn_service(request)
-    turns = await service.store.all_turns(session_id)
-    finish = await service.store.get_finish(session_id)
-    first_version, lag_exceeded = service.policy_lag(turns[0] if turns else None)
-    return {
-        "id": session_id,
-        "created_at": meta.created_at,
-        "ttl_seconds": meta.ttl_seconds,
-        "sampling": meta.sampling_overrides,
-        "metadata": meta.metadata,
-        "routed_experts": meta.routed_experts,
-        "group": meta.group,
-        "group_size": meta.group_size,
-        "finish": _finish_json(finish),
-        **export.summary(session_id, turns),
-        "engine_weight_versions": service.engine_versions(),
-        "first_weight_version": first_version,
-        "policy_lag_exceeded": lag_exceeded,
-        **_urls(request, session_id),
-    }
+    described = await session_service(request).describe(check_session_id(session_id))
+    return {**described, **_urls(request, session_id)}
 
 
 @router.get("/sessions/{session_id}/trajectory", response_model=None)
@@ -409,10 +255,10 @@ async def get_trajectory(
 ) -> dict[str, Any] | StreamingResponse:
     """`branches=all` (default): every root-to-leaf path of the turn tree; `last`: only the
     path to the most recently stored turn (one leaf per rollout)."""
-    await _existing(request, session_id)
-    staleness = _staleness(min_weight_version, stale)
-    turns = await turn_service(request).store.all_turns(session_id)
-    data = export.trajectory(session_id, turns, staleness, branches)
+    stale_filter = staleness(min_weight_version, stale)
+    data = await session_service(request).trajectory(
+        check_session_id(session_id), stale_filter, branches
+    )
     if format == "json":
         return data
 
@@ -427,16 +273,11 @@ async def get_trajectory(
 async def get_image(session_id: str, sha256: str, request: Request) -> Response:
     """An image of the session, by the hash the trajectory lists it under (admin key, like
     the export): the trainer rebuilds pixel inputs from these bytes."""
-    await _existing(request, session_id)
-    data = await turn_service(request).store.get_image(session_id, sha256.lower())
-    if data is None:
-        raise APIError(404, f"session {session_id!r} has no image {sha256!r}", param="sha256")
+    data = await session_service(request).image(check_session_id(session_id), sha256)
     return Response(data, media_type=image_media_type(data))
 
 
 @router.delete("/sessions/{session_id}", status_code=204)
 async def delete_session(session_id: str, request: Request) -> Response:
-    check_session_id(session_id)
-    if not await turn_service(request).delete_session(session_id):
-        raise APIError(404, f"session {session_id!r} not found", param="session_id")
+    await session_service(request).delete(check_session_id(session_id))
     return Response(status_code=204)

@@ -23,7 +23,8 @@ from session_server.conversation import Conversation
 from session_server.settings import Settings
 from session_server.splice import ChatModel, to_renderer_messages
 from session_server.tokenizer import load_tokenizer
-from session_server.turns import Plan, TurnService
+from session_server.turns.planning import Plan
+from session_server.turns.service import TurnService
 from tests.engine_double import EngineDouble, RecordedRequest, ScriptedCompletion
 from tests.real_tokenizers import qwen3_dir
 from tests.suffix_reference import assert_suffix, assert_suffix_carries
@@ -181,14 +182,14 @@ async def serving(double: EngineDouble, **settings: Any) -> AsyncIterator[Stack]
     # The ASGI transport runs no lifespan: start and stop the engine client here.
     await service.engine.start()
     stack = Stack(app=app, service=service, double=double)
-    plan = service.plan
+    plan = service.planner.plan
 
     async def recording_plan(session_id: str, conversation: Conversation) -> Plan:
         planned = await plan(session_id, conversation)
         stack.planned.append((conversation, planned))
         return planned
 
-    service.plan = recording_plan  # type: ignore[method-assign]
+    service.planner.plan = recording_plan  # type: ignore[method-assign]
     try:
         yield stack
     finally:

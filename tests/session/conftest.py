@@ -20,7 +20,7 @@ from session_server.splice import ChatModel
 from session_server.store.memory import MemoryStore
 from session_server.store.redis import RedisStore
 from session_server.tokenizer import load_tokenizer
-from session_server.turns import TurnService
+from session_server.turns.service import TurnService
 from tests.engine_double import EngineDouble, _engine_double_pool, engine_double, engine_doubles
 from tests.live_server import serving
 from tests.real_tokenizers import llama32_dir, qwen3_dir

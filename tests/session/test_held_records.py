@@ -58,7 +58,7 @@ def test_held_records_equal_the_stored_ones_and_spare_the_next_lookup(
             decoded_ids.clear()  # from here on every parent was stored by this server
     assert decoded_ids == []
 
-    held = stack.service._records["held"].records
+    held = stack.service.sessions.held("held").records
     assert sorted(held) == [1, 2, 3, 4]
     stored = _stored(stack, redis_server, "held", sorted(held))
     for record, turn_id in zip(stored, sorted(held), strict=True):

@@ -27,9 +27,9 @@ import pytest
 
 from session_server.app import build_service, create_app
 from session_server.conversation import Message, Tool
+from session_server.reply_split import ReplyStreamer
 from session_server.settings import Settings
 from session_server.splice import GENERIC, ChatModel
-from session_server.streaming import ReplyStreamer
 from session_server.tokenizer import load_tokenizer
 from tests.engine_double import EngineDouble, ScriptedCompletion
 from tests.real_tokenizers import llama32_dir, qwen3_dir

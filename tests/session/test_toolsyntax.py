@@ -25,10 +25,11 @@ from session_server.app import build_service
 from session_server.check import SCENARIOS, TOOL, ScriptedEngine, Scripter, load_model
 from session_server.conversation import ConversationError, Message, Tool
 from session_server.engines import EngineClient
+from session_server.reply_split import ReplyStreamer
 from session_server.settings import Settings
 from session_server.splice import GENERIC, ChatModel
 from session_server.store.memory import MemoryStore
-from session_server.streaming import ReplyStreamer
+from session_server.tool_choice import tool_choice_constraint
 from tests.real_tokenizers import llama32_dir, offline_counter_dir, unlearnable_dir
 
 # folder, what the learned syntax opens a call with, argument style
@@ -137,7 +138,7 @@ def test_tool_choice_forces_the_templates_own_call(name: str) -> None:
     model = load_model(str(LEARNED[name][0]()))
     tools = [Tool(**TOOL)]
     for choice in ("required", {"name": "get_weather"}):
-        constraint = model.tool_choice_constraint(tools, choice)
+        constraint = tool_choice_constraint(model, tools, choice)
         assert constraint is not None
         tag = json.loads(constraint["structural_tag"])["format"]
         forced = _fill(model, tag, {"city": "Zürich"})
@@ -189,7 +190,7 @@ def test_a_syntax_that_cannot_be_learned_is_named_everywhere(
         )
     assert any("TOOL-CALL SYNTAX NOT LEARNED" in r.getMessage() for r in caplog.records)
     with pytest.raises(ConversationError, match=r"cannot be enforced.*generic"):
-        model.tool_choice_constraint([Tool(**TOOL)], "required")
+        tool_choice_constraint(model, [Tool(**TOOL)], "required")
     level = logging.getLogger("tokenkeep").level
     assert check.main(["--tokenizer", folder]) == 2
     # Quiet while it ran, as it was afterwards: a server in the same process still logs.

@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from tests.api.stack import qwen3
+from tests.api.stack import qwen3, reply
 from tests.real_tokenizers import qwen3_dir
 from tests.viewer.conftest import HOSTILE_USER, Live, drive_rich_session
 
@@ -95,3 +95,50 @@ def test_listing_pages_and_filters(live: Live, rich: str) -> None:
         assert http.get("/ui/api/sessions", params={"limit": 0}).status_code == 400
         assert http.get("/ui/api/sessions", params={"metadata": "nokey"}).status_code == 400
         assert http.get("/ui/api/sessions/missing-session").status_code == 404
+
+
+def test_the_viewer_and_the_export_select_by_metadata_alike(live: Live) -> None:
+    """One selector, one semantics (`batch.parse_selector` + `batch.matches`): values
+    compared as JSON text (`done=true` matches `{"done": true}`, `n=3` matches 3), a key the
+    session lacks matches nothing (not even `key=None`). The viewer once compared Python
+    text: `done=true` matched nothing there, and a missing key matched `None`."""
+    cases = {
+        "sel-done": {"done": True, "n": 3, "tag": "x"},
+        "sel-open": {"done": False, "n": 3.5},
+        "sel-bare": {"tag": "None"},
+    }
+    selectors = {
+        "done=true": ["sel-done"],
+        "done=false": ["sel-open"],
+        "n=3": ["sel-done"],
+        "n=3.5": ["sel-open"],
+        "tag=x,done=true": ["sel-done"],
+        "tag=None": ["sel-bare"],
+        "done=None": [],
+        "missing=": [],
+    }
+    with httpx.Client(base_url=live.url) as http:
+        for session_id, metadata in cases.items():
+            assert http.post("/sessions", json={"id": session_id, "metadata": metadata}).is_success
+            live.double.script(reply("ok"))
+            turn = http.post(
+                f"/sessions/{session_id}/v1/chat/completions",
+                json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+            )
+            assert turn.status_code == 200, turn.text
+            finished = http.post(f"/sessions/{session_id}/finish", json={"reward": 1.0})
+            assert finished.status_code == 200, finished.text
+        for selector, expected in selectors.items():
+            page = http.get("/ui/api/sessions", params={"q": "sel-", "metadata": selector})
+            assert page.status_code == 200, page.text
+            viewer = sorted(s["id"] for s in page.json()["sessions"])
+            listed = http.get("/sessions", params={"selector": selector}).json()["sessions"]
+            finished_list = sorted(s["id"] for s in listed if s["id"].startswith("sel-"))
+            exported = http.post("/sessions/export", json={"selector": selector})
+            rows = (
+                {json.loads(line)["session_id"] for line in exported.text.splitlines()}
+                if exported.status_code == 200
+                else set()
+            )
+            assert viewer == finished_list == sorted(expected), selector
+            assert sorted(r for r in rows if r.startswith("sel-")) == sorted(expected), selector
