@@ -21,8 +21,9 @@ from session_server.api import turn_service
 from session_server.api.params import SAMPLING_FIELDS
 from session_server.api.replies import tokenkeep_info, usage
 from session_server.api.routing import LeanRoute
+from session_server.api.serving import IDEMPOTENCY_KEY_DOC, serve_turn
 from session_server.api.session_ids import check_session_id, session_id_from_headers
-from session_server.api.sse import IDEMPOTENCY_KEY_DOC, openai_error_line, serve_turn
+from session_server.api.sse import openai_error_line
 from session_server.conversation import Conversation, ConversationError
 from session_server.results import TurnResult
 from session_server.sampling import check_sampling

@@ -31,8 +31,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, NonNegativeI
 from session_server.api import turn_service
 from session_server.api.errors import classify, error_body
 from session_server.api.routing import LeanRoute, convert
+from session_server.api.serving import IDEMPOTENCY_KEY_DOC, serve_turn
 from session_server.api.session_ids import check_session_id, session_id_from_headers
-from session_server.api.sse import IDEMPOTENCY_KEY_DOC, event_line, serve_turn
+from session_server.api.sse import event_line
 from session_server.conversation import (
     Conversation,
     ConversationError,

@@ -46,8 +46,9 @@ from session_server.api.response_tools import (
     seal_reasoning,
 )
 from session_server.api.routing import LeanRoute, convert
+from session_server.api.serving import IDEMPOTENCY_KEY_DOC, serve_turn
 from session_server.api.session_ids import check_session_id, session_id_from_headers
-from session_server.api.sse import IDEMPOTENCY_KEY_DOC, event_line, serve_turn
+from session_server.api.sse import event_line
 from session_server.conversation import Conversation, ConversationError, Message, ToolCall
 from session_server.images import ImageInput, check_count, compose, decode_data_url, no_marks
 from session_server.results import (
