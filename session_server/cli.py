@@ -22,7 +22,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         "--engine-url",
         action="append",
         dest="engine_urls",
-        help="vLLM base URL; repeat for replicas (TOKENKEEP_ENGINE_URLS)",
+        help="engine base URL; repeat for replicas (TOKENKEEP_ENGINE_URLS)",
+    )
+    p.add_argument(
+        "--engine",
+        dest="engine_kind",
+        choices=("vllm", "sglang"),
+        help="the engine's wire format: vllm (default) or sglang (TOKENKEEP_ENGINE_KIND)",
     )
     p.add_argument("--model", help="served model name (TOKENKEEP_MODEL)")
     p.add_argument("--tokenizer", help="tokenizer directory or id (TOKENKEEP_TOKENIZER)")

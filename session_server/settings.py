@@ -7,7 +7,7 @@ import functools
 import ipaddress
 import json
 import logging
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -19,7 +19,10 @@ class Settings(BaseSettings):
     )
 
     engine_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    """vLLM replicas (TOKENKEEP_ENGINE_URLS, comma-separated)."""
+    """Engine replicas (TOKENKEEP_ENGINE_URLS, comma-separated)."""
+    engine_kind: Literal["vllm", "sglang"] = "vllm"
+    """Which engine's wire format the replicas speak (TOKENKEEP_ENGINE_KIND, flag --engine):
+    vLLM's token endpoint or SGLang's native /generate (session_server/engine_wire/)."""
     engine_discovery: bool = False
     """Treat every address an engine host name resolves to as a replica, re-resolved over
     time (TOKENKEEP_ENGINE_DISCOVERY; the operator sets it for its headless Service)."""
