@@ -6,6 +6,7 @@ what the engine sampled."""
 
 from __future__ import annotations
 
+import argparse
 import threading
 import time
 from collections.abc import Iterator
@@ -13,7 +14,10 @@ from typing import Any
 
 import httpx
 import pytest
+from pydantic import ValidationError
 
+from session_server.cli import _serve_parser
+from session_server.settings import Settings
 from session_server.splice import ChatModel
 from tests.engine_double import EngineDouble, ScriptedCompletion
 from tests.engine_double_sglang import SglangDouble
@@ -257,3 +261,20 @@ def test_sglang_reports_no_prompt_echo(sglang_stack: Stack, qwen3_model: ChatMod
     reply = stack.openai("echo").chat.completions.create(model="m", messages=USER)  # type: ignore[arg-type]
     assert reply.choices[0].message.content == "Hi"
     assert_trajectory_values(stack.trajectory("echo"), stack.double.samples, every_sample=True)
+
+
+def test_the_engine_kind_is_a_flag_and_a_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tokenkeep serve --engine sglang` and TOKENKEEP_ENGINE_KIND pick the wire; anything
+    but vllm or sglang is refused."""
+    parser = argparse.ArgumentParser()
+    _serve_parser(parser.add_subparsers())
+    args = parser.parse_args(["serve", "--engine", "sglang", "--engine-url", "http://e:1"])
+    assert args.engine_kind == "sglang"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--engine", "tgi"])
+    assert Settings().engine_kind == "vllm"
+    monkeypatch.setenv("TOKENKEEP_ENGINE_KIND", "sglang")
+    assert Settings().engine_kind == "sglang"
+    monkeypatch.setenv("TOKENKEEP_ENGINE_KIND", "tgi")
+    with pytest.raises(ValidationError):
+        Settings()
