@@ -18,7 +18,7 @@ Streaming (`"stream": true`): SSE `data: {...}` chunks, then `data: [DONE]`; a f
 200 is a `data: {"error": {"message": ...}}` line. Each chunk is one sample's reply (with
 `"index"` for `n > 1`). Nothing in a chunk says whether `output_ids` (and the logprobs) hold
 the whole completion so far (the default) or only what is new (`--incremental-streaming-output`):
-the server's `/server_info` does, read once per replica.
+the server's `/server_info` does, read with each replica's health check.
 
 `sampling_params` take only SamplingParams' own names (any other key is a 400), and
 `max_new_tokens` defaults to 128, so it is always sent, clamped to the context the server reports:
@@ -225,8 +225,8 @@ class SglangWire(Wire):
     async def probe(
         self, http: httpx.AsyncClient, replica: Replica, timeout: httpx.Timeout
     ) -> None:
-        if replica.url in self._facts:
-            return
+        # Every health round, not once: a replica restarted with other flags (streaming mode,
+        # context length) must not be read with the old ones. A failed read keeps the last.
         info: dict[str, Any] | None = None
         for path in SERVER_INFO_PATHS:
             info = await _get_json(http, replica.url + path, timeout)

@@ -4,6 +4,7 @@ and the client reads them as it reads vLLM's."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from pathlib import Path
 from typing import Any
@@ -113,3 +114,17 @@ async def test_the_client_reads_both_streaming_modes(
     deltas = events[1:]
     assert [t for d in deltas for t in getattr(d, "token_ids", [])] == story
     assert len([lp for d in deltas for lp in getattr(d, "logprobs", [])]) == len(story)
+
+
+async def test_a_replica_restarted_in_the_other_streaming_mode_is_read_again(
+    sglang_double: SglangDouble,
+) -> None:
+    story = list(range(100, 110))
+    async with EngineClient(
+        [sglang_double.url], model="m", wire=SglangWire("m"), health_interval_s=0.05
+    ) as client:
+        sglang_double.incremental = True  # as if restarted with --incremental-streaming-output
+        await asyncio.sleep(0.3)  # a few health rounds
+        sglang_double.script(ScriptedCompletion(story))
+        events = [e async for e in client.stream("s", [1, 2, 3], SAMPLING)]
+    assert [t for e in events[1:] for t in getattr(e, "token_ids", [])] == story
