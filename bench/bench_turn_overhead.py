@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from session_server.conversation import Conversation, Message, Tool, ToolCall
-from session_server.engines import EngineClient, _Call, encode_body
+from session_server.engines import Call, EngineClient, encode_body
 from session_server.metrics import Metrics
 from session_server.service_config import ServiceConfig
 from session_server.splice import ChatModel
@@ -121,8 +121,8 @@ async def _measure(
         conversation = Conversation(messages=[*messages[:-1], varied], tools=TOOLS)
         started = time.perf_counter()
         plan = await service.planner.plan(session_id, conversation)
-        _, body = engine._body(
-            replica, _Call(session_id, plan.prompt_ids, plan.sampling, None, False)
+        _, body = engine.wire.request(
+            replica, Call(session_id, plan.prompt_ids, plan.sampling, None, False), session_id
         )
         encode_body(body)
         await _store_turn(service, model, plan, conversation, completion)

@@ -31,6 +31,7 @@ from session_server.api import (
 from session_server.api.auth import Guard
 from session_server.api.lane import LanedFastAPI
 from session_server.api.limits import BodyLimit
+from session_server.engine_wire import wire_for
 from session_server.engines import EngineClient
 from session_server.management import SessionService
 from session_server.metrics import Metrics
@@ -110,6 +111,7 @@ def build_service(
             model=settings.model,
             discover=settings.engine_discovery,
             max_inflight_per_replica=settings.engine_max_inflight,
+            wire=wire_for(settings.engine_kind, settings.model),
         ),
         model=model,
         config=config,

@@ -46,11 +46,17 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 
     flag(
         "--engine-url",
-        "vLLM base URL; repeat for replicas",
+        "engine base URL; repeat for replicas",
         action="append",
         dest="engine_urls",
         type=http_url,
         needed=True,
+    )
+    flag(
+        "--engine",
+        "the engine's wire format: vllm or sglang",
+        dest="engine_kind",
+        choices=("vllm", "sglang"),
     )
     flag("--model", "served model name")
     flag("--tokenizer", "tokenizer directory, or a Hugging Face id in the local cache", needed=True)

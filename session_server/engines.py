@@ -1,18 +1,7 @@
-"""Token-in/token-out client for vLLM replicas: affinity, health, retries, fallback.
+"""Token-in/token-out client for engine replicas: affinity, health, retries, fallback.
 
-Wire protocol (vLLM 0.32, `--enable-scale-out`): `POST /inference/v1/generate` with
-`{"token_ids": [...], "sampling_params": {...}, "return_token_ids": true, "stream": bool,
-"model": ..., "request_id": ...}`. The answer carries per choice `token_ids`, `finish_reason`,
-`stop_reason` and, with `sampling_params.logprobs = 0`, the sampled token's logprob at
-`choices[i].logprobs.content[j].logprob`; `prompt_token_ids` at the top (streaming: in the
-first chunk only); per choice `weight_versions: [{"version", "start", "end"}]`, the policy
-version that sampled each span of the completion (streaming: in the choice's last chunk);
-with `--enable-return-routed-experts`, per finished choice `routed_experts`: base64 of `.npy`
-bytes, (positions, layers, top_k), from `sampling_params.routed_experts_prompt_start` to the
-last token but one.
-Streaming sends one SSE `data:` chunk per engine step and choice, ends with
-`data: [DONE]`, and reports a failure after the 200 as a `data: {"error": {...}}` line.
-Engines without the endpoint get the same request as `/v1/completions` on a token-ID prompt.
+What is said to an engine, and how its answers read, is its wire (`session_server/engine_wire/`:
+vLLM's token endpoint, SGLang's `/generate`); everything here is the same for both.
 
 Replica choice is rendezvous (highest-random-weight) hashing of the session id over the healthy
 replicas, so every session-server process sends a session to the same engine (its prefix cache
@@ -24,35 +13,38 @@ more round the list; the same prompt, so the turn is stored once, by whichever a
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
 import hashlib
-import io
 import logging
 import os
 import socket
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
 import httpx
-import numpy as np
 import orjson
 
 from session_server.engine_http import Endpoint, EngineReply, LeanClient
-from session_server.images import ImageInput, content_parts
+from session_server.engine_wire.base import (
+    Call,
+    EngineChoice,
+    EngineError,
+    Generation,
+    GenerationDelta,
+    Protocol,
+    Replica,
+    Retryable,
+    StreamEvent,
+    StreamStart,
+    Wire,
+)
+from session_server.engine_wire.vllm import VllmWire
+from session_server.images import ImageInput
 from session_server.store.base import WeightSpan
 
 logger = logging.getLogger(__name__)
 
-GENERATE_PATH = "/inference/v1/generate"
-COMPLETIONS_PATH = "/v1/completions"
-HEALTH_PATH = "/health"
-# vLLM answers it in dev mode (VLLM_SERVER_DEV_MODE=1): {"weight_version": "..."}.
-WEIGHT_INFO_PATH = "/weight_info"
 # vLLM reads this header for session-aware scheduling; it costs nothing to send.
 SESSION_HEADER = "X-Session-ID"
 _SESSION_LINE = SESSION_HEADER.lower().encode() + b": %s\r\n"
@@ -60,116 +52,6 @@ _SESSION_LINE = SESSION_HEADER.lower().encode() + b": %s\r\n"
 # length); the lean client asks for an uncompressed reply, as it decodes none.
 _REQUEST_HEADERS = {"content-type": "application/json"}
 _LEAN_HEADERS = {**_REQUEST_HEADERS, "user-agent": "tokenkeep", "accept-encoding": "identity"}
-
-
-@dataclass(slots=True)
-class EngineChoice:
-    index: int
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    stop_reason: int | str | None
-    weight_versions: list[WeightSpan] = field(default_factory=list)
-    routed_experts: np.ndarray | None = None
-
-
-@dataclass(slots=True)
-class Generation:
-    prompt_ids: list[int] | None  # as the engine reported them
-    choices: list[EngineChoice]
-    engine_url: str
-    latency_s: float
-    cached_tokens: int | None = None
-    """Prompt tokens the engine's prefix cache served (vLLM with
-    --enable-prompt-tokens-details; None: not reported)."""
-
-
-@dataclass(slots=True)
-class StreamStart:
-    """First event of a stream: the engine accepted the request and sent its first chunk.
-    From here on the request is no longer retried elsewhere."""
-
-    engine_url: str
-    prompt_ids: list[int] | None  # as the engine reported them
-
-
-@dataclass(slots=True)
-class GenerationDelta:
-    index: int
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str | None
-    stop_reason: int | str | None
-    weight_versions: list[WeightSpan] | None = None
-    """The whole completion's spans (vLLM sends them with the choice's last chunk)."""
-    routed_experts: np.ndarray | None = None
-    """(positions, layers, top_k), in the choice's last chunk (MoE routing replay)."""
-    cached_tokens: int | None = None
-    """Prompt tokens served by the prefix cache, from the stream's usage chunk (no tokens)."""
-
-
-StreamEvent = StreamStart | GenerationDelta
-
-
-class EngineError(Exception):
-    """A generation failed. `status` is the HTTP status to give the client: the engine's own
-    4xx passes through; an unreachable or failing engine is 502/503, a timeout 504."""
-
-    def __init__(self, status: int, message: str, type: str, *, param: str | None = None):
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.type = type
-        self.param = param
-
-    def __repr__(self) -> str:
-        return f"EngineError({self.status}, {self.message!r}, {self.type!r})"
-
-
-class _Retryable(Exception):
-    """Failed before the first token on one replica: try the next one."""
-
-    def __init__(self, error: EngineError, *, mark_down: bool):
-        super().__init__(error.message)
-        self.error = error
-        self.mark_down = mark_down
-
-
-@dataclass(slots=True, frozen=True)
-class _Call:
-    session_id: str
-    prompt_ids: list[int]
-    sampling: dict[str, Any]
-    reasoning_ended: bool | None
-    stream: bool
-    prompt_json: bytes = b""
-    """The prompt as a JSON array, encoded once: sent as is, and compared byte for byte
-    with the prompt the engine echoes (empty: encode with the body, compare decoded)."""
-    images: tuple[ImageInput, ...] = ()
-    """Every image of the prompt in order; `prompt_ids` then has one pad per image and the
-    engine echoes the expanded prompt."""
-
-
-class Protocol(Enum):
-    GENERATE = "generate"
-    COMPLETIONS = "completions"
-
-
-@dataclass(slots=True)
-class Replica:
-    url: str
-    healthy: bool = True  # optimistic until a check or a request says otherwise
-    protocol: Protocol = Protocol.GENERATE
-    failures: int = 0
-    """Requests in a row that could not reach it (reset by any answer)."""
-    inflight: int = 0
-    weight_version: str | None = None
-    """The policy version the replica serves: from `GET /weight_info` where the engine
-    answers it, else the version that sampled the last tokens it returned."""
-    weight_info: bool = True
-    """False once the replica answered `GET /weight_info` with an error (not in dev mode)."""
-    endpoints: dict[str, Endpoint | None] = field(default_factory=dict, repr=False)
-    """Per request path, the lean client's prepared endpoint (None: through httpx)."""
 
 
 # A replica is marked down by its health check, or after this many requests in a row could not
@@ -243,12 +125,6 @@ def _timeout(url: str, exc: Exception) -> EngineError:
     return EngineError(504, f"engine {url} timed out: {exc!r}", "EngineTimeout")
 
 
-def _is_missing_route(error: EngineError) -> bool:
-    # A 404 for the path itself (endpoint not enabled) says "Not Found"; a 404 for an unknown
-    # model names the model, and must not switch the replica to the fallback.
-    return error.status == 404 and error.message.strip() == "Not Found"
-
-
 class EngineClient:
     def __init__(
         self,
@@ -262,10 +138,12 @@ class EngineClient:
         transport: httpx.AsyncBaseTransport | None = None,
         discover: bool = False,
         max_inflight_per_replica: int = 256,
+        wire: Wire | None = None,
     ):
         if not urls:
             raise ValueError("at least one engine URL is required")
         self.model = model
+        self.wire = wire or VllmWire(model)
         self.health_interval_s = health_interval_s
         self.max_inflight_per_replica = max_inflight_per_replica
         self._configured = [url.rstrip("/") for url in urls]
@@ -308,6 +186,7 @@ class EngineClient:
             transport=transport,
         )
         self._health_task: asyncio.Task[None] | None = None
+        self._aborting: set[asyncio.Task[None]] = set()
 
     @property
     def replicas(self) -> list[Replica]:
@@ -326,6 +205,8 @@ class EngineClient:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
             self._health_task = None
+        if self._aborting:
+            await asyncio.gather(*self._aborting, return_exceptions=True)
         if self._lean is not None:
             await self._lean.aclose()
         await self._http.aclose()
@@ -353,7 +234,7 @@ class EngineClient:
         fire before it reads the answer, so a timeout only counts towards the failures in
         a row (`strike_on_timeout`)."""
         try:
-            response = await self._health_http.get(replica.url + HEALTH_PATH)
+            response = await self._health_http.get(replica.url + self.wire.health_path)
             healthy = response.status_code == 200
         except httpx.TimeoutException as exc:
             if strike_on_timeout:
@@ -366,24 +247,8 @@ class EngineClient:
         replica.healthy = healthy
         if healthy:
             replica.failures = 0
-        if healthy and replica.weight_info:
-            await self._check_weight_version(replica)
-
-    async def _check_weight_version(self, replica: Replica) -> None:
-        try:
-            response = await self._http.get(
-                replica.url + WEIGHT_INFO_PATH, timeout=self._health_timeout
-            )
-        except httpx.HTTPError:
-            return
-        version = None
-        if response.status_code == 200:
-            with contextlib.suppress(ValueError, AttributeError):
-                version = response.json().get("weight_version")
-        if version is None:
-            replica.weight_info = False
-            return
-        replica.weight_version = str(version)
+        if healthy:
+            await self.wire.probe(self._http, replica, self._health_timeout)
 
     @staticmethod
     def _observe_version(replica: Replica, spans: list[WeightSpan] | None) -> None:
@@ -471,7 +336,7 @@ class EngineClient:
         (token endpoint only) makes structured outputs apply from the first token under a
         reasoning parser. `prompt_json`: `prompt_ids` as a JSON array, when the caller
         already has it (sent as is and compared with the engine's echo)."""
-        call = _Call(
+        call = Call(
             session_id,
             prompt_ids,
             sampling,
@@ -486,7 +351,7 @@ class EngineClient:
             replica.inflight += 1
             try:
                 generation = await self._generate_on(replica, call)
-            except _Retryable as failure:
+            except Retryable as failure:
                 last_error = await self._note_failure(replica, failure)
                 continue
             finally:
@@ -512,8 +377,9 @@ class EngineClient:
         """Yields one `StreamStart`, then `GenerationDelta`s as the engine samples. Failures
         before the first chunk move to the next replica; after it they raise `EngineError`.
         Closing the iterator early (`async with contextlib.aclosing(client.stream(...))`)
-        closes the connection, which makes vLLM abort the request."""
-        call = _Call(
+        closes the connection, which makes vLLM abort the request (engines that need more are
+        sent their wire's abort requests)."""
+        call = Call(
             session_id,
             prompt_ids,
             sampling,
@@ -530,25 +396,24 @@ class EngineClient:
                     async for event in events:
                         yield event
                 return
-            except _Retryable as failure:
+            except Retryable as failure:
                 last_error = await self._note_failure(replica, failure)
             finally:
                 replica.inflight -= 1
         assert last_error is not None
         raise last_error
 
-    async def _stream_on(self, replica: Replica, call: _Call) -> AsyncIterator[StreamEvent]:
-        """One replica's stream; `_Retryable` only while nothing has been yielded."""
-        response = await self._post(replica, call)
+    async def _stream_on(self, replica: Replica, call: Call) -> AsyncIterator[StreamEvent]:
+        """One replica's stream; `Retryable` only while nothing has been yielded."""
+        request_id = _request_id(call)
+        response = await self._post(replica, call, request_id)
         replica.failures = 0
-        parse = (
-            _deltas_from_generate_chunk
-            if replica.protocol is Protocol.GENERATE
-            else _deltas_from_completions_chunk
-        )
+        parse = self.wire.stream_parser(replica, call)
         started = False
         try:
-            async for chunk in _sse_payloads(response, replica.url, _echo_check(replica, call)):
+            async for chunk in _sse_payloads(
+                response, replica.url, self.wire.echo_check(replica, call)
+            ):
                 prompt_ids_seen, deltas = parse(chunk)
                 if not started:
                     started = True
@@ -556,14 +421,17 @@ class EngineClient:
                 for delta in deltas:
                     self._observe_version(replica, delta.weight_versions)
                     yield delta
-        except _Retryable as failure:
+        except Retryable as failure:
             if started:
                 raise failure.error from failure
+            raise
+        except (GeneratorExit, asyncio.CancelledError):
+            self._abort(replica, request_id, call)  # the caller left before the end
             raise
         finally:
             await response.aclose()
 
-    async def _note_failure(self, replica: Replica, failure: _Retryable) -> EngineError:
+    async def _note_failure(self, replica: Replica, failure: Retryable) -> EngineError:
         """A request could not be served by `replica`. If it could not reach it, the replica
         is asked at once whether it is alive (its health check decides, so a dead engine
         stops receiving traffic right away), and repeated failures mark it down regardless."""
@@ -576,47 +444,7 @@ class EngineClient:
         )
         return failure.error
 
-    def _body(self, replica: Replica, call: _Call) -> tuple[str, dict[str, Any]]:
-        # 64 random bits (uuid4 costs five Python calls more per request)
-        request_id = f"{call.session_id}-{os.urandom(8).hex()}"
-        params = dict(call.sampling)
-        if params.get("logprobs") is None:
-            params["logprobs"] = 0  # the sampled token's logprob, no alternatives
-        prompt: Any = orjson.Fragment(call.prompt_json) if call.prompt_json else call.prompt_ids
-        if replica.protocol is Protocol.GENERATE:
-            body = {
-                "request_id": request_id,
-                "model": self.model,
-                "token_ids": prompt,
-                "sampling_params": params,
-                "return_token_ids": True,
-                "stream": call.stream,
-            }
-            if call.stream:  # the last chunk then reports the prefix-cache hits
-                body["stream_options"] = {"include_usage": True}
-            if call.reasoning_ended is not None:
-                body["reasoning_ended"] = call.reasoning_ended
-            if call.images:
-                body["content_parts"] = content_parts(list(call.images))
-            return GENERATE_PATH, body
-        if call.images:
-            # /v1/completions takes a token prompt but drops images without a word.
-            raise EngineError(
-                502,
-                f"engine {replica.url} has no token-in endpoint (/inference/v1/generate), "
-                "and its /v1/completions ignores images; start vLLM with --enable-scale-out",
-                "EngineProtocolError",
-            )
-        return COMPLETIONS_PATH, {
-            **params,
-            "request_id": request_id,
-            "model": self.model,
-            "prompt": prompt,
-            "return_token_ids": True,
-            "stream": call.stream,
-        }
-
-    async def _send(self, replica: Replica, path: str, call: _Call, content: bytes) -> EngineReply:
+    async def _send(self, replica: Replica, path: str, call: Call, content: bytes) -> EngineReply:
         """POST `content` to the replica's `path`: through the lean client where the replica
         is plain http and no transport was given, else through httpx."""
         try:
@@ -639,15 +467,41 @@ class EngineClient:
         )
         return await self._http.send(request, stream=True)
 
-    async def _post(self, replica: Replica, call: _Call) -> EngineReply:
+    def _abort(self, replica: Replica, request_id: str, call: Call) -> None:
+        """Stop a request the caller left, where the wire says closing its connection is not
+        enough. In the background: the caller is being cancelled or closed, and must not wait
+        on the engine for it."""
+        for path, body in self.wire.aborts(request_id, call):
+            task = asyncio.create_task(self._send_abort(replica, path, body))
+            self._aborting.add(task)
+            task.add_done_callback(self._aborting.discard)
+
+    async def _send_abort(self, replica: Replica, path: str, body: dict[str, Any]) -> None:
+        try:
+            response = await self._http.post(
+                replica.url + path,
+                content=encode_body(body),
+                headers=_REQUEST_HEADERS,
+                timeout=self._health_timeout,
+            )
+        except httpx.HTTPError as exc:
+            logger.warning("engine %s: abort %s failed: %r", replica.url, body, exc)
+            return
+        if response.status_code != 200:
+            logger.warning(
+                "engine %s: abort %s answered %d", replica.url, body, response.status_code
+            )
+
+    async def _post(self, replica: Replica, call: Call, request_id: str) -> EngineReply:
         """Send the request (the body is read by the caller) and settle the endpoint question:
-        a replica without the token endpoint is switched to the completions fallback."""
+        a replica the wire has another endpoint for is switched to it (vLLM's completions
+        fallback)."""
         while True:
-            path, body = self._body(replica, call)
+            path, body = self.wire.request(replica, call, request_id)
             try:
                 response = await self._send(replica, path, call, encode_body(body))
             except (httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
-                raise _Retryable(
+                raise Retryable(
                     EngineError(
                         503, f"engine {replica.url} unreachable: {exc!r}", "EngineUnavailable"
                     ),
@@ -658,7 +512,7 @@ class EngineClient:
                 # double the wait, so this one is final.
                 raise _timeout(replica.url, exc) from exc
             except httpx.HTTPError as exc:
-                raise _Retryable(
+                raise Retryable(
                     EngineError(
                         503, f"engine {replica.url} unreachable: {exc!r}", "EngineUnavailable"
                     ),
@@ -669,25 +523,29 @@ class EngineClient:
             body_bytes = await response.aread()
             await response.aclose()
             error = _engine_error(response.status_code, body_bytes)
-            if _is_missing_route(error) and replica.protocol is Protocol.GENERATE:
-                logger.warning(
-                    "engine %s has no %s; using %s", replica.url, GENERATE_PATH, COMPLETIONS_PATH
-                )
-                replica.protocol = Protocol.COMPLETIONS
+            if self.wire.fallback(replica, error):
                 continue
             error.status = _client_status(error.status)
             if error.status >= 500:
-                raise _Retryable(error, mark_down=response.status_code == 503)
+                raise Retryable(error, mark_down=response.status_code == 503)
             raise error
 
-    async def _generate_on(self, replica: Replica, call: _Call) -> Generation:
-        response = await self._post(replica, call)
+    async def _generate_on(self, replica: Replica, call: Call) -> Generation:
+        request_id = _request_id(call)
+        try:
+            return await self._generate_with(replica, call, request_id)
+        except asyncio.CancelledError:
+            self._abort(replica, request_id, call)  # the caller left before the answer
+            raise
+
+    async def _generate_with(self, replica: Replica, call: Call, request_id: str) -> Generation:
+        response = await self._post(replica, call, request_id)
         try:
             body = await response.aread()
         except httpx.TimeoutException as exc:
             raise _timeout(replica.url, exc) from exc
         except httpx.HTTPError as exc:
-            raise _Retryable(
+            raise Retryable(
                 EngineError(
                     502, f"engine {replica.url} dropped the response: {exc!r}", "EngineUnavailable"
                 ),
@@ -698,29 +556,27 @@ class EngineClient:
         # The body echoes the whole prompt (O(history) integers, checked by the caller):
         # orjson decodes it several times faster than the standard library.
         try:
-            payload = _loads(body, _echo_check(replica, call))
+            payload = _loads(body, self.wire.echo_check(replica, call))
         except orjson.JSONDecodeError as exc:
-            raise _Retryable(
+            raise Retryable(
                 EngineError(502, f"engine {replica.url} sent invalid JSON", "EngineProtocolError"),
                 mark_down=False,
             ) from exc
-        if replica.protocol is Protocol.GENERATE:
-            return _parse_generate(payload, replica.url)
-        return _parse_completions(payload, replica.url)
+        return self.wire.parse(payload, replica)
 
 
-# --- wire parsing -----------------------------------------------------------------------
+def _request_id(call: Call) -> str:
+    # 64 random bits (uuid4 costs five Python calls more per request)
+    return f"{call.session_id}-{os.urandom(8).hex()}"
+
+
+# --- SSE --------------------------------------------------------------------------------
 
 
 _ECHO_KEY = b'"prompt_token_ids":'
 
 
-def _echo_check(replica: Replica, call: _Call) -> _Call | None:
-    # /generate echoes the prompt at the top level; the completions fallback per choice.
-    return call if replica.protocol is Protocol.GENERATE and call.prompt_json else None
-
-
-def _loads(raw: bytes, sent: _Call | None) -> Any:
+def _loads(raw: bytes, sent: Call | None) -> Any:
     """`orjson.loads(raw)`, except that an echoed top-level `prompt_token_ids` array that is
     byte for byte the one sent is not decoded: the payload gets the sent list itself. The
     echo is O(history) integers per turn and decoding them was the largest single cost of
@@ -755,11 +611,11 @@ async def _sse_lines(response: EngineReply) -> AsyncIterator[bytes]:
 
 
 async def _sse_payloads(
-    response: EngineReply, url: str, sent: _Call | None = None
+    response: EngineReply, url: str, sent: Call | None = None
 ) -> AsyncIterator[dict[str, Any]]:
     """The JSON payloads of an SSE body, up to `data: [DONE]`. vLLM sends single-line
     `data:` events only. An error event or a body that ends without [DONE] raises
-    `_Retryable` (the caller decides whether a token already went out)."""
+    `Retryable` (the caller decides whether a token already went out)."""
     try:
         async for line in _sse_lines(response):
             if not line.startswith(b"data:"):
@@ -772,7 +628,7 @@ async def _sse_payloads(
             except orjson.JSONDecodeError:
                 payload = None
             if not isinstance(payload, dict):
-                raise _Retryable(
+                raise Retryable(
                     EngineError(
                         502, f"engine {url} sent an invalid SSE line", "EngineProtocolError"
                     ),
@@ -784,130 +640,23 @@ async def _sse_payloads(
                 error.status = _client_status(code if isinstance(code, int) else 500)
                 if error.status < 500:
                     raise error
-                raise _Retryable(error, mark_down=False)
+                raise Retryable(error, mark_down=False)
             yield payload
     except httpx.TimeoutException as exc:
         raise _timeout(url, exc) from exc
     except httpx.HTTPError as exc:
-        raise _Retryable(
+        raise Retryable(
             EngineError(502, f"engine {url} dropped the stream: {exc!r}", "EngineUnavailable"),
             mark_down=False,
         ) from exc
-    raise _Retryable(
+    raise Retryable(
         EngineError(502, f"engine {url} ended the stream without [DONE]", "EngineUnavailable"),
         mark_down=False,
     )
 
 
-def _generate_logprobs(choice: dict[str, Any]) -> list[float]:
-    logprobs = choice.get("logprobs") or {}
-    return [entry["logprob"] for entry in logprobs.get("content") or ()]
-
-
-def _completions_logprobs(choice: dict[str, Any]) -> list[float]:
-    logprobs = choice.get("logprobs") or {}
-    return [lp if lp is not None else float("nan") for lp in logprobs.get("token_logprobs") or ()]
-
-
-def _weight_spans(choice: dict[str, Any]) -> list[WeightSpan] | None:
-    spans = choice.get("weight_versions")
-    if not spans:
-        return None
-    return [WeightSpan(str(s["version"]), int(s["start"]), int(s["end"])) for s in spans]
-
-
-def _routes(choice: dict[str, Any]) -> np.ndarray | None:
-    encoded = choice.get("routed_experts")
-    if not encoded:
-        return None
-    try:
-        experts = np.load(io.BytesIO(base64.b64decode(encoded)), allow_pickle=False)
-    except (ValueError, binascii.Error, OSError):
-        logger.warning("engine sent routed_experts that are not base64 .npy; ignored")
-        return None
-    return experts if experts.ndim == 3 else None
-
-
-def _parse_generate(payload: dict[str, Any], url: str) -> Generation:
-    choices = [
-        EngineChoice(
-            index=c["index"],
-            token_ids=c.get("token_ids") or [],
-            logprobs=_generate_logprobs(c),
-            finish_reason=c.get("finish_reason") or "stop",
-            stop_reason=c.get("stop_reason"),
-            weight_versions=_weight_spans(c) or [],
-            routed_experts=_routes(c),
-        )
-        for c in payload.get("choices", ())
-    ]
-    choices.sort(key=lambda c: c.index)
-    return Generation(payload.get("prompt_token_ids"), choices, url, 0.0, _cached_tokens(payload))
-
-
-def _cached_tokens(payload: dict[str, Any]) -> int | None:
-    details = (payload.get("usage") or {}).get("prompt_tokens_details") or {}
-    cached = details.get("cached_tokens")
-    return cached if isinstance(cached, int) else None
-
-
-def _parse_completions(payload: dict[str, Any], url: str) -> Generation:
-    raw = payload.get("choices", ())
-    choices = [
-        EngineChoice(
-            index=c["index"],
-            token_ids=c.get("token_ids") or [],
-            logprobs=_completions_logprobs(c),
-            finish_reason=c.get("finish_reason") or "stop",
-            stop_reason=c.get("stop_reason"),
-        )
-        for c in raw
-    ]
-    choices.sort(key=lambda c: c.index)
-    prompt_ids = next((c["prompt_token_ids"] for c in raw if c.get("prompt_token_ids")), None)
-    return Generation(prompt_ids, choices, url, 0.0, _cached_tokens(payload))
-
-
-def _deltas_from_generate_chunk(
-    chunk: dict[str, Any],
-) -> tuple[list[int] | None, list[GenerationDelta]]:
-    cached = _cached_tokens(chunk)
-    if cached is not None:  # the usage chunk (no choices)
-        return chunk.get("prompt_token_ids"), [
-            GenerationDelta(0, [], [], None, None, cached_tokens=cached)
-        ]
-    return chunk.get("prompt_token_ids"), [
-        GenerationDelta(
-            index=c["index"],
-            token_ids=c.get("token_ids") or [],
-            logprobs=_generate_logprobs(c),
-            finish_reason=c.get("finish_reason"),
-            stop_reason=c.get("stop_reason"),
-            weight_versions=_weight_spans(c),
-            routed_experts=_routes(c),
-        )
-        for c in chunk.get("choices", ())
-    ]
-
-
-def _deltas_from_completions_chunk(
-    chunk: dict[str, Any],
-) -> tuple[list[int] | None, list[GenerationDelta]]:
-    raw = chunk.get("choices", ())
-    prompt_ids = next((c["prompt_token_ids"] for c in raw if c.get("prompt_token_ids")), None)
-    return prompt_ids, [
-        GenerationDelta(
-            index=c["index"],
-            token_ids=c.get("token_ids") or [],
-            logprobs=_completions_logprobs(c),
-            finish_reason=c.get("finish_reason"),
-            stop_reason=c.get("stop_reason"),
-        )
-        for c in raw
-    ]
-
-
 __all__ = [
+    "Call",
     "EngineChoice",
     "EngineClient",
     "EngineError",

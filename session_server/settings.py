@@ -10,7 +10,7 @@ import json
 import logging
 import re
 from collections.abc import Mapping
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import AliasChoices, Field, field_validator
 from pydantic.fields import FieldInfo
@@ -23,7 +23,10 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", populate_by_name=True)
 
     engine_urls: Annotated[list[str], NoDecode] = Field(default_factory=list)
-    """vLLM replicas (TOKENKEEP_ENGINE_URLS, comma-separated)."""
+    """Engine replicas (TOKENKEEP_ENGINE_URLS, comma-separated)."""
+    engine_kind: Literal["vllm", "sglang"] = "vllm"
+    """Which engine's wire format the replicas speak (TOKENKEEP_ENGINE_KIND, flag --engine):
+    vLLM's token endpoint or SGLang's native /generate (session_server/engine_wire/)."""
     engine_discovery: bool = False
     """Treat every address an engine host name resolves to as a replica, re-resolved over
     time (TOKENKEEP_ENGINE_DISCOVERY; the operator sets it for its headless Service)."""

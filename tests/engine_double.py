@@ -233,6 +233,9 @@ class EngineDouble:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    recorded = RecordedRequest
+    """How a request is recorded (a double of another engine reads its own body shape)."""
+
     def script(self, *scripts: Script) -> None:
         with self._lock:
             self._scripts.extend(scripts)
@@ -383,9 +386,7 @@ class EngineDouble:
             )
         with self._lock:
             port = request.client.port if request.client else 0
-            self.requests.append(
-                RecordedRequest(request.url.path, body, dict(request.headers), port)
-            )
+            self.requests.append(self.recorded(request.url.path, body, dict(request.headers), port))
             fault = self._faults.popleft() if self._faults else None
         if isinstance(fault, HttpFault):
             return None, JSONResponse(

@@ -14,6 +14,7 @@ import openai
 import pytest
 
 from session_server.app import build_service, create_app
+from session_server.engine_wire import wire_for
 from session_server.engines import EngineClient
 from session_server.settings import Settings
 from session_server.splice import ChatModel
@@ -22,10 +23,17 @@ from session_server.store.redis import RedisStore
 from session_server.tokenizer import load_tokenizer
 from session_server.turns.service import TurnService
 from tests.engine_double import EngineDouble, _engine_double_pool, engine_double, engine_doubles
+from tests.engine_double_sglang import _sglang_double, sglang_double
 from tests.live_server import serving
 from tests.real_tokenizers import llama32_dir, qwen3_dir
 
-__all__ = ["_engine_double_pool", "engine_double", "engine_doubles"]
+__all__ = [
+    "_engine_double_pool",
+    "_sglang_double",
+    "engine_double",
+    "engine_doubles",
+    "sglang_double",
+]
 
 
 @pytest.fixture(scope="session")
@@ -77,7 +85,7 @@ def make_stack(
         engine_urls=[double.url],
         model=double.model,
         tokenizer=str(model.tokenizer.name_or_path),
-        context_length=double.max_model_len,
+        context_length=settings.pop("context_length", double.max_model_len),
         **settings,
     )
     # A key prefix per stack (per test): tests reuse session ids, and the Redis server is
@@ -91,7 +99,9 @@ def make_stack(
         config,
         store=store,
         model=model,
-        engine=EngineClient([double.url], model=double.model),
+        engine=EngineClient(
+            [double.url], model=double.model, wire=wire_for(config.engine_kind, double.model)
+        ),
     )
     with serving(create_app(config, service)) as url:
         yield Stack(url=url, double=double, service=service, model=model)
