@@ -1,8 +1,8 @@
 """A TEST DOUBLE of an SGLang 0.5.x server's native API, built from SGLang's own source (no SGLang
 CPU build is available here: its `sgl-kernel` CPU wheel is not on PyPI), at sgl-project/sglang
 0.5.3. Read there: `sampling_params.py`, `io_struct.py` (rid handling) and `tokenizer_manager.py`
-(streaming modes, logprob fields); the HTTP routes from `http_server.py` below were written from
-memory of that file, not re-read (the repository was too large to fetch):
+(streaming modes, logprob fields); the HTTP routes below were checked against `http_server.py`
+at commit 0025436 (where `/health` is `/health_generate` and `/server_info` is not served):
 - `python/sglang/srt/entrypoints/http_server.py`: `POST /generate` (a JSON reply, or SSE
   `data: {...}` chunks then `data: [DONE]`, a failure inside the stream as a
   `data: {"error": {"message": ...}}` line), `POST /abort_request` (`AbortReq`: `rid`,
