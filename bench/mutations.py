@@ -81,8 +81,8 @@ MUTANTS = [
         SPLICE,
         (
             (
-                "                to_renderer_messages(new_messages),\n",
-                "                to_renderer_messages([m for m in new_messages"
+                "            to_renderer_messages(new_messages),\n",
+                "            to_renderer_messages([m for m in new_messages"
                 " if m.role != 'tool']),\n",
             ),
         ),
@@ -104,7 +104,12 @@ MUTANTS = [
         "skip_generation_prompt",
         "the bridge drops its last 3 tokens (Qwen3's `<|im_start|>assistant\\n`)",
         SPLICE,
-        (("        return Bridge(delta)\n", "        return Bridge(delta[:-3])\n"),),
+        (
+            (
+                "        return Bridge(expanded, runs=runs)\n",
+                "        return Bridge(expanded[:-3], runs=runs)\n",
+            ),
+        ),
     ),
     Mutant(
         "skip_generation_prompt_generic",
@@ -282,8 +287,8 @@ MUTANTS = [
         MESSAGES,
         (
             (
-                "content=_joined(block.content), tool_call_id",
-                "content=_joined(block.content[:1]), tool_call_id",
+                'result = _with_images(block.content, f"{param}.{j}.content")',
+                'result = _with_images(block.content[:1], f"{param}.{j}.content")',
             ),
         ),
     ),
@@ -293,8 +298,8 @@ MUTANTS = [
         RESPONSES,
         (
             (
-                'return Message(role="tool", content=text, tool_call_id=item.call_id)',
-                'return Message(role="tool", content="", tool_call_id=item.call_id)',
+                'Message(role="tool", content=text, images=images, tool_call_id=item.call_id)',
+                'Message(role="tool", content="", images=images, tool_call_id=item.call_id)',
             ),
         ),
     ),
@@ -316,8 +321,8 @@ MUTANTS = [
         CODEC,
         (
             (
-                'logprobs = np.asarray(record.logprobs, dtype="<f4")',
-                'logprobs = np.asarray(record.logprobs[::-1], dtype="<f4")',
+                "logprobs = array(_F32, record.logprobs)",
+                "logprobs = array(_F32, record.logprobs[::-1])",
             ),
         ),
     ),
