@@ -40,6 +40,20 @@ def finish_json(finish: Finish | None) -> dict[str, Any] | None:
     }
 
 
+def session_json(meta: SessionMeta) -> dict[str, Any]:
+    """A session's settings as every management answer shows them."""
+    return {
+        "id": meta.session_id,
+        "created_at": meta.created_at,
+        "ttl_seconds": meta.ttl_seconds,
+        "sampling": meta.sampling_overrides,
+        "metadata": meta.metadata,
+        "routed_experts": meta.routed_experts,
+        "group": meta.group,
+        "group_size": meta.group_size,
+    }
+
+
 def staleness(
     min_weight_version: float | None, stale: Literal["mask", "drop"]
 ) -> export.Staleness | None:
@@ -120,14 +134,7 @@ class SessionService:
         policy = self.turns.policy
         first_version, lag_exceeded = policy.policy_lag(turns[0] if turns else None)
         return {
-            "id": session_id,
-            "created_at": meta.created_at,
-            "ttl_seconds": meta.ttl_seconds,
-            "sampling": meta.sampling_overrides,
-            "metadata": meta.metadata,
-            "routed_experts": meta.routed_experts,
-            "group": meta.group,
-            "group_size": meta.group_size,
+            **session_json(meta),
             "finish": finish_json(finish),
             **export.summary(session_id, turns),
             "engine_weight_versions": policy.engine_versions(),

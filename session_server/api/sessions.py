@@ -17,7 +17,7 @@ from session_server.api.errors import APIError
 from session_server.api.session_ids import SESSION_ID_PATTERN, check_session_id
 from session_server.conversation import MAX_JSON_DEPTH, too_deep
 from session_server.images import image_media_type
-from session_server.management import finish_json, staleness
+from session_server.management import finish_json, session_json, staleness
 from session_server.sampling import SamplingParams
 from session_server.store.base import FINISH_STATUSES, FinishStatus
 
@@ -87,14 +87,7 @@ async def create_session(request: Request, body: CreateSession | None = None) ->
         group_size=body.group_size,
     )
     return {
-        "id": meta.session_id,
-        "created_at": meta.created_at,
-        "ttl_seconds": meta.ttl_seconds,
-        "sampling": meta.sampling_overrides,
-        "metadata": meta.metadata,
-        "routed_experts": meta.routed_experts,
-        "group": meta.group,
-        "group_size": meta.group_size,
+        **session_json(meta),
         **_urls(request, meta.session_id),
         # The only time the key is shown: the store keeps its digest only.
         "api_key": api_key,

@@ -28,6 +28,7 @@ from session_server.store.base import (
     SessionStore,
 )
 from session_server.turns.errors import Refused
+from session_server.turns.part import CorePart
 from session_server.turns.planning import prompt_of
 from session_server.turns.recording import return_token_ids
 from session_server.turns.sessions import SessionCache
@@ -35,7 +36,7 @@ from session_server.turns.sessions import SessionCache
 logger = logging.getLogger(__name__)
 
 
-class IdempotencyClaims:
+class IdempotencyClaims(CorePart):
     """Who holds each Idempotency-Key, and the stored replies resends get."""
 
     def __init__(
@@ -46,11 +47,7 @@ class IdempotencyClaims:
         sessions: SessionCache,
         metrics: Metrics,
     ) -> None:
-        self.store = store
-        self.model = model
-        self.config = config
-        self.sessions = sessions
-        self.metrics = metrics
+        super().__init__(store, model, config, sessions, metrics)
         # (session, Idempotency-Key) -> set when this process's request holding it ends, so
         # a resend here wakes at once (resends through other replicas poll the store).
         self._claims: dict[tuple[str, str], asyncio.Event] = {}

@@ -53,6 +53,7 @@ from session_server.store.base import (
     TurnRecord,
 )
 from session_server.turns.errors import ProofFailed, session_finished
+from session_server.turns.part import CorePart
 from session_server.turns.policy import PolicyLag
 from session_server.turns.sessions import Recreated, SessionCache
 
@@ -102,7 +103,7 @@ class Plan:
         return len(self.prompt_ids) - len(self.prompt_delta) - 1
 
 
-class TurnPlanner:
+class TurnPlanner(CorePart):
     """Decides what a request is (first, extend, fork, retry, rewrite) and the token
     prompt it is sent with, from one lookup of the stored turns."""
 
@@ -115,12 +116,8 @@ class TurnPlanner:
         policy: PolicyLag,
         metrics: Metrics,
     ) -> None:
-        self.store = store
-        self.model = model
-        self.config = config
-        self.sessions = sessions
+        super().__init__(store, model, config, sessions, metrics)
         self.policy = policy
-        self.metrics = metrics
 
     def check_fits(self, chars: int, messages: int = 0, param: str = "messages") -> None:
         """Refuse what cannot fit the context before spending time tokenizing it: more

@@ -17,13 +17,10 @@ from session_server.conversation import (
     Message,
 )
 from session_server.images import find_runs
-from session_server.metrics import Metrics
 from session_server.results import (
     ChoiceResult,
     TurnResult,
 )
-from session_server.service_config import ServiceConfig
-from session_server.splice import ChatModel
 from session_server.store.base import (
     IDEMPOTENCY_DONE,
     KeyTaken,
@@ -32,12 +29,12 @@ from session_server.store.base import (
     SessionFinished,
     SessionMeta,
     SessionNotFound,
-    SessionStore,
     TurnRecord,
     WeightSpan,
 )
 from session_server.store.codec import stored_logprobs
 from session_server.turns.errors import session_finished
+from session_server.turns.part import CorePart
 from session_server.turns.planning import (
     RESPONSE_KEY_PREFIX,
     Plan,
@@ -45,7 +42,6 @@ from session_server.turns.planning import (
     token_input_key,
     token_key,
 )
-from session_server.turns.sessions import SessionCache
 from session_server.versions import (
     stale_cache,
     turns_by_version,
@@ -67,22 +63,8 @@ class Sampled:
     routed_experts: np.ndarray | None = None
 
 
-class TurnRecorder:
+class TurnRecorder(CorePart):
     """Stores a request's sampled choices as turns and keeps them for the next lookup."""
-
-    def __init__(
-        self,
-        store: SessionStore,
-        model: ChatModel,
-        config: ServiceConfig,
-        sessions: SessionCache,
-        metrics: Metrics,
-    ) -> None:
-        self.store = store
-        self.model = model
-        self.config = config
-        self.sessions = sessions
-        self.metrics = metrics
 
     async def record(
         self,
