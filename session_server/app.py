@@ -153,7 +153,10 @@ def create_app(settings: Settings, service: TurnService | None = None) -> LanedF
     app.add_middleware(AdmissionMiddleware, admission=admission)
     app.add_middleware(Guard, settings=settings, service=service)
     app.add_middleware(
-        BodyLimit, max_bytes=settings.max_body_bytes, timeout_s=settings.body_timeout_s
+        BodyLimit,
+        max_bytes=settings.max_body_bytes,
+        max_strings=settings.max_body_strings,
+        timeout_s=settings.body_timeout_s,
     )
     app.add_middleware(AccessLog, metrics=service.metrics, admission=admission)
     return app

@@ -106,6 +106,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         default=None,
     )
     flag("--max-body-bytes", "largest request body; larger get 413", type=int)
+    flag("--max-body-strings", "most JSON strings in a request body; more get 413", type=int)
     flag(
         "--routed-experts",
         "store MoE expert routes of every session by default; the engine needs "
