@@ -19,7 +19,11 @@ from typing import Any
 import httpx
 import pytest
 
+from session_server.app import build_service, create_app
+from session_server.settings import Settings
+from tests.api.stack import qwen3
 from tests.engine_double import EngineDouble
+from tests.real_tokenizers import qwen3_dir
 from tests.security.conftest import (
     ADMIN_KEY,
     LiveServer,
@@ -259,3 +263,52 @@ def test_a_turn_in_flight_at_finish_is_cut_and_not_stored(
         assert again.status_code == 409, again.text
         assert client.post(f"/sessions/{session_id}/finish", json={}).status_code == 409
     assert _trajectory(server, session_id) == at_finish
+
+
+async def test_a_wrong_key_costs_one_store_read_whether_or_not_its_session_exists(
+    double: EngineDouble,
+) -> None:
+    """An invented key once told, by its answer time, whether its session id existed (a
+    cached session refused it at once; an unknown one cost a store read). Now each wrong
+    key is checked against the store exactly once either way, and refused alike. In-process
+    (the store's reads are counted); the double stands in for vLLM only."""
+    settings = Settings(
+        engine_urls=[double.url],
+        model=double.model,
+        tokenizer=str(qwen3_dir()),
+        context_length=double.max_model_len,
+        admin_key=ADMIN_KEY,
+    )
+    service = build_service(settings, model=qwen3())
+    reads: list[str] = []
+    real = service.store.get_session
+
+    async def counted(session_id: str) -> Any:
+        reads.append(session_id)
+        return await real(session_id)
+
+    service.store.get_session = counted  # type: ignore[method-assign]
+    transport = httpx.ASGITransport(app=create_app(settings, service))
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        created = await client.post(
+            "/sessions", json={"id": "exists"}, headers={"authorization": f"Bearer {ADMIN_KEY}"}
+        )
+        assert created.status_code == 201, created.text
+        key = created.json()["api_key"]
+        assert (
+            await client.get("/v1/models", headers={"authorization": f"Bearer {key}"})
+        ).is_success
+        answers = {}
+        for session_id in ("exists", "never-existed"):
+            reads.clear()
+            forged = f"tks-{'x' * 43}.{session_id}"
+            response = await client.post(
+                f"/sessions/{session_id}/v1/chat/completions",
+                json=chat_body(),
+                headers={"authorization": f"Bearer {forged}"},
+            )
+            answers[session_id] = (response.status_code, response.json(), list(reads))
+    assert answers["exists"][0] == answers["never-existed"][0] == 401
+    assert answers["exists"][1] == answers["never-existed"][1]
+    assert answers["exists"][2] == ["exists"]
+    assert answers["never-existed"][2] == ["never-existed"]
