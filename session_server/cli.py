@@ -218,13 +218,8 @@ def _tokenizer_problem(tokenizer: str) -> str | None:
 def serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from session_server.settings import Settings, listen_problem, log_mode, unknown_variable
+    from session_server.settings import Settings, listen_problem, log_mode
 
-    # The settings would ignore a misspelt variable, and the server start without it.
-    problem = unknown_variable(os.environ)
-    if problem:
-        print(f"tokenkeep serve: {problem}", file=sys.stderr)
-        return 2
     overrides = {
         k: v for k, v in vars(args).items() if v is not None and k in Settings.model_fields
     }
@@ -350,6 +345,14 @@ def _main(argv: list[str]) -> int:
 
         module = importlib.import_module(_DELEGATED[argv[0]][0])
         return int(module.main(argv[1:]) or 0)
+    if argv and argv[0] == "serve":
+        from session_server.settings import unknown_variable
+
+        # First: the settings would ignore a misspelt variable, and a required flag whose
+        # variable is misspelt would be reported missing rather than misspelt.
+        problem = unknown_variable(os.environ)
+        if problem:
+            return fail(PROG, problem)
     parser = Parser(prog="tokenkeep", description=__doc__)
     parser.add_argument("--version", action="version", version=f"tokenkeep {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)

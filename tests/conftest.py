@@ -64,3 +64,22 @@ def decoded_ids(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     for module in (memory_store, redis_store):
         monkeypatch.setattr(module, "decode_turn", counting(module.decode_turn))
     return calls
+
+
+# Seconds each tier (tests/<tier>/, or tests/ itself) spent in setup, call and teardown: the
+# per-tier times the README's test section records come from this summary of a `make test`.
+_TIER_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    parts = report.nodeid.split("/")
+    tier = parts[1] if len(parts) > 2 and parts[0] == "tests" else "tests"
+    _TIER_SECONDS[tier] = _TIER_SECONDS.get(tier, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not _TIER_SECONDS:
+        return
+    terminalreporter.section("seconds per tier")
+    for tier, seconds in sorted(_TIER_SECONDS.items(), key=lambda item: -item[1]):
+        terminalreporter.write_line(f"{seconds:8.1f} s  tests/{tier if tier != 'tests' else ''}")

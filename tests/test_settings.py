@@ -78,6 +78,7 @@ def test_env_names_are_the_variables_the_settings_read(monkeypatch: pytest.Monke
     defaults = Settings().model_dump()
     values = dict.fromkeys(ENV_NAMES, "4096")
     values |= {"engine_urls": "http://engine:8000", "sampling_overrides": '{"top_p": 0.5}'}
+    values |= {"engine_kind": "sglang"}
     switches = ("engine_discovery", "routed_experts", "insecure", "session_id_keys")
     values |= dict.fromkeys(switches, "true")
     values |= dict.fromkeys(("create_sessions_on_first_use", "startup_check"), "false")

@@ -211,7 +211,7 @@ def test_serve_help_describes_itself_marks_required_flags_and_shows_defaults() -
     assert result.returncode == 0, result.stderr
     text = " ".join(result.stdout.split())  # argparse wraps lines at the terminal's width
     assert "Run the session server in front of vLLM engines" in text
-    assert "--engine-url ENGINE_URLS vLLM base URL; repeat for replicas (required;" in text
+    assert "--engine-url ENGINE_URLS engine base URL; repeat for replicas (required;" in text
     assert "--tokenizer TOKENIZER" in text and "(required; TOKENKEEP_TOKENIZER)" in text
     assert "--port PORT port (TOKENKEEP_PORT; default: 8000)" in text
     assert "--host HOST bind address (TOKENKEEP_HOST; default: 127.0.0.1)" in text

@@ -17,6 +17,8 @@ import pytest
 from pydantic import ValidationError
 
 from session_server.cli import _serve_parser
+from session_server.engine_wire.base import Call, EngineError, Replica
+from session_server.engine_wire.sglang import SglangWire
 from session_server.settings import Settings
 from session_server.splice import ChatModel
 from tests.engine_double import EngineDouble, ScriptedCompletion
@@ -168,18 +170,20 @@ def test_sglang_max_new_tokens_is_clamped_to_the_engines_context(
 
 
 def test_sglang_refuses_a_parameter_it_has_no_name_for(sglang_stack: Stack) -> None:
-    """A vLLM-only sampling parameter is a 400 in the API's error shape, before the engine,
-    and the session is unchanged."""
+    """A sampling parameter outside vLLM's own names is a 400 at session creation (nothing
+    stored, `sampling.SamplingParams`); one the SGLang wire has no name for, should it ever
+    reach it, is a 400 in the API's shape before the engine is called."""
     stack = sglang_stack
     with stack.http() as http:
         created = http.post("/sessions", json={"sampling": {"bad_words": ["x"]}})
-        session_id = created.json()["id"]
-        answer = http.post(
-            f"/sessions/{session_id}/v1/chat/completions", json={"model": "m", "messages": USER}
-        )
-        assert answer.status_code == 400
-        assert "bad_words" in answer.json()["error"]["message"]
-        assert http.get(f"/sessions/{session_id}/trajectory").json()["branches"] == []
+        assert created.status_code == 400
+        assert "bad_words" in created.json()["error"]["message"]
+    wire = SglangWire(stack.double.model)
+    call = Call("s", [1, 2, 3], {"bad_words": ["x"], "max_tokens": 5}, None, False)
+    with pytest.raises(EngineError) as refused:
+        wire.request(Replica(stack.double.url), call, "s-1")
+    assert refused.value.status == 400
+    assert "bad_words" in refused.value.message
     assert stack.double.requests == []
 
 
@@ -268,7 +272,9 @@ def test_the_engine_kind_is_a_flag_and_a_variable(monkeypatch: pytest.MonkeyPatc
     but vllm or sglang is refused."""
     parser = argparse.ArgumentParser()
     _serve_parser(parser.add_subparsers())
-    args = parser.parse_args(["serve", "--engine", "sglang", "--engine-url", "http://e:1"])
+    args = parser.parse_args(
+        ["serve", "--engine", "sglang", "--engine-url", "http://e:1", "--tokenizer", "t"]
+    )
     assert args.engine_kind == "sglang"
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--engine", "tgi"])
