@@ -189,22 +189,21 @@ def test_abort_cuts_a_non_streamed_request_and_leaves_other_sessions_alone(stack
 
 def _stream_until_aborted(
     stack: Stack, path: str, body: dict[str, Any], session_id: str
-) -> tuple[list[str], float]:
+) -> list[str]:
     """Read the stream; after its second data line, abort the session from another thread.
-    Returns the stream's lines and how long the abort took to end the stream."""
+    Returns the stream's lines."""
     lines: list[str] = []
-    aborted_at: list[float] = []
+    aborted = False
     with stack.http() as client, client.stream("POST", path, json=body) as response:
         assert response.status_code == 200
         data = 0
         for line in response.iter_lines():
             lines.append(line)
             data += line.startswith("data:")
-            if data == 2 and not aborted_at:
-                aborted_at.append(time.monotonic())
+            if data == 2 and not aborted:
+                aborted = True
                 threading.Thread(target=_abort, args=(stack, session_id), daemon=True).start()
-        ended = time.monotonic()
-    return lines, ended - aborted_at[0]
+    return lines
 
 
 def test_abort_cuts_a_chat_stream_in_band_and_stores_the_tokens_that_arrived(
@@ -213,13 +212,12 @@ def test_abort_cuts_a_chat_stream_in_band_and_stores_the_tokens_that_arrived(
     story = tokens(stack.model, *(f" word{i}" for i in range(40)), END)
     stack.double.script(ScriptedCompletion(story))
     stack.double.chunk_delay_s = 0.1
-    lines, took = _stream_until_aborted(
+    lines = _stream_until_aborted(
         stack,
         "/sessions/streamcut/v1/chat/completions",
         {"model": "m", "messages": USER, "stream": True},
         "streamcut",
     )
-    assert took < 2.0  # 40 more chunks would take 4 s
     assert '"type":"aborted"' in lines[-1].replace(" ", "") or any(
         '"aborted"' in line for line in lines[-3:]
     )
@@ -227,6 +225,7 @@ def test_abort_cuts_a_chat_stream_in_band_and_stores_the_tokens_that_arrived(
     assert turn["finish_reason"] == "abort"
     stored = stack.trajectory("streamcut")["branches"][0]["segments"][0]
     sampled = stored["token_ids"][turn["completion_span"][0] :]
+    # Cut before the end (not a wall-clock bound: what was stored, and the engine told).
     assert 0 < len(sampled) < len(story) and sampled == story[: len(sampled)]
     time.sleep(0.3)
     assert stack.double.streams_abandoned == 1  # the engine stopped generating
@@ -236,7 +235,7 @@ def test_abort_in_messages_and_responses_shapes(stack: Stack) -> None:
     story = tokens(stack.model, *(f" word{i}" for i in range(40)), END)
     stack.double.script(ScriptedCompletion(story))
     stack.double.chunk_delay_s = 0.1
-    lines, _ = _stream_until_aborted(
+    lines = _stream_until_aborted(
         stack,
         "/sessions/claude/v1/messages",
         {"model": "m", "max_tokens": 100, "messages": USER, "stream": True},
