@@ -170,6 +170,10 @@ class ChatModel:
         # A vision-language model: its processor settings decide each image's placeholders.
         model_path = str(getattr(tokenizer, "name_or_path", "") or "")
         self.vision = vision_tokens(vision_spec(model_path), vocab) if model_path else None
+        self.output_size = max(self.vocab_size, _output_layer_size(model_path) or 0)
+        """Token ids the engine can sample: the model's output layer (its config.json
+        `vocab_size`), which most models pad past the tokenizer's entries (Qwen3: 151,936 for
+        151,669); a random or badly trained model does sample the padding."""
 
     def _learn_tool_calls(self, *, over_renderer: bool = False) -> None:
         """The template's tool calls are read in their own syntax, learned from the template
@@ -717,6 +721,19 @@ def _carries_messages(tokenizer: Any, delta: list[int], messages: list[Message])
                 return False
             position = found + len(needle)
     return True
+
+
+def _output_layer_size(model_path: str) -> int | None:
+    """`vocab_size` from the model folder's config.json (a vision-language model's
+    `text_config`), None where the tokenizer has no such folder beside it."""
+    if not model_path:
+        return None
+    try:
+        config = json.loads((Path(model_path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    size = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    return size if isinstance(size, int) and size > 0 else None
 
 
 def has_tokens(tokenizer: Any, *tokens: str) -> bool:

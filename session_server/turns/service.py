@@ -371,8 +371,10 @@ class TurnService:
         """`token_ids`, sent for choice `index` after `received[index]`, must be what the
         engine could sample for this request, else the reply is the engine's fault and
         nothing is stored: a negative token id failed the store's encoding (a 500), one past
-        the vocabulary was stored, a stream past `max_tokens` was relayed without bound."""
-        limit, vocab = plan.sampling["max_tokens"], self.model.vocab_size
+        the model's output layer was stored, a stream past `max_tokens` was relayed without
+        bound. (Ids past the tokenizer but inside the padded output layer are sampled, by a
+        random model for one: they are what the engine sampled and are kept.)"""
+        limit, vocab = plan.sampling["max_tokens"], self.model.output_size
         if not 0 <= index < len(received):
             reason, fault = "choice", f"choice {index} of a request for {len(received)}"
         elif len(received[index]) + len(token_ids) > limit:
