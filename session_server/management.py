@@ -138,6 +138,10 @@ class SessionService:
             "finish": finish_json(finish),
             **export.summary(session_id, turns),
             "engine_weight_versions": policy.engine_versions(),
+            "engine": {
+                "kind": self.turns.engine.wire.kind,
+                "lacks": list(self.turns.engine.wire.lacks),
+            },
             "first_weight_version": first_version,
             "policy_lag_exceeded": lag_exceeded,
         }

@@ -140,6 +140,9 @@ class Wire(ABC):
 
     kind: str
     health_path = "/health"
+    lacks: tuple[str, ...] = ()
+    """What this engine does not give that vLLM's token endpoint does (`GET /sessions/{id}`
+    lists it beside the session's counters, so a trainer sees it where it reads them)."""
 
     def __init__(self, model: str):
         self.model = model

@@ -141,6 +141,9 @@ def _spans(meta: dict[str, Any], length: int) -> list[WeightSpan]:
 
 class SglangWire(Wire):
     kind = "sglang"
+    # No echo of the prompt (so no proof that the engine got the spliced tokens), no routes
+    # (SGLang sends them as raw bytes without a shape), no images, no reasoning_ended.
+    lacks = ("prompt_echo", "routed_experts", "images", "reasoning_ended")
 
     def __init__(self, model: str):
         super().__init__(model)

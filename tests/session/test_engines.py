@@ -284,3 +284,20 @@ def test_the_engine_kind_is_a_flag_and_a_variable(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("TOKENKEEP_ENGINE_KIND", "tgi")
     with pytest.raises(ValidationError):
         Settings()
+
+
+@pytest.mark.parametrize(
+    ("engine", "lacks"),
+    [("vllm", []), ("sglang", ["prompt_echo", "routed_experts", "images", "reasoning_ended"])],
+)
+def test_a_session_says_what_its_engine_cannot_give(
+    request: pytest.FixtureRequest, engine: str, lacks: list[str]
+) -> None:
+    """`GET /sessions/{id}` names the engine and what it does not give that vLLM does (the
+    README's table, where a trainer reads the session's counters)."""
+    for stack in _stack(request, engine, "memory"):
+        stack.double.script(ScriptedCompletion(tokens(stack.model, "Hi", END)))
+        stack.openai("told").chat.completions.create(model="m", messages=USER)  # type: ignore[arg-type]
+        with stack.http() as http:
+            described = http.get("/sessions/told").json()
+        assert described["engine"] == {"kind": engine, "lacks": lacks}
