@@ -4,6 +4,7 @@ keeps only the SHA-256 digest, which the guard (`api/auth.py`) compares in const
 from __future__ import annotations
 
 import hashlib
+import hmac
 import secrets
 
 SESSION_KEY_PREFIX = "tks-"
@@ -18,3 +19,9 @@ def issue_session_key(session_id: str) -> tuple[str, str]:
 def key_digest(key: str) -> str:
     # A fast hash is enough: the secret has 256 random bits, nothing to brute-force.
     return hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def key_opens(key_hash: str, digest: str) -> bool:
+    """Whether a session key with this digest opens a session that stores `key_hash`
+    (compared in constant time; a session issued no key opens to none)."""
+    return bool(key_hash) and hmac.compare_digest(key_hash, digest)

@@ -36,7 +36,6 @@ from session_server.api.session_ids import (
 )
 from session_server.keys import key_digest
 from session_server.settings import Settings, is_loopback
-from session_server.store.base import SessionMeta
 from session_server.turns.service import TurnService
 from session_server.turns.sessions import session_key_request
 
@@ -143,10 +142,6 @@ class Guard:
         except InvalidSessionId:
             return None, None
         digest = key_digest(key)
-
-        def opens(meta: SessionMeta) -> bool:
-            return bool(meta.key_hash) and _same(meta.key_hash, digest)
-
-        if await self.service.sessions.keyed(session_id, opens) is None:
+        if await self.service.sessions.keyed(session_id, digest) is None:
             return None, None
         return session_id, digest

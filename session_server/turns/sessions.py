@@ -4,7 +4,6 @@ the next lookup (its incarnation), never served from what was cached here."""
 
 from __future__ import annotations
 
-import hmac
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -12,6 +11,7 @@ from contextvars import ContextVar
 from typing import Any, TypeVar
 
 from session_server.conversation import compile_rules
+from session_server.keys import key_opens
 from session_server.service_config import ServiceConfig
 from session_server.store.base import (
     RecordCache,
@@ -51,25 +51,23 @@ class SessionCache:
         # from an old cache.
         self._records: OrderedDict[str, RecordCache] = OrderedDict()
 
-    async def keyed(
-        self, session_id: str, opens: Callable[[SessionMeta], bool]
-    ) -> SessionMeta | None:
-        """The session's metadata if `opens` accepts it (a session key checked against its
-        digest), else None. A refusal by the cached metadata is checked again against the
-        store, which replaces the cache: the session may have been deleted and created again
+    async def keyed(self, session_id: str, digest: str) -> SessionMeta | None:
+        """The session's metadata if a session key with this digest opens it, else None.
+        A refusal by the cached metadata is checked again against the store, which replaces
+        the cache: the session may have been deleted and created again
         with a new key through another server. So a new key is never refused by a stale
         cache, and a wrong key costs one store read whether or not the session exists (its
         answer time says nothing about that). A stale cache that accepts an old key is caught
         by the turn's lookup (`_check_current`)."""
         cached = self._sessions.get(session_id)
-        if cached is not None and opens(cached):
+        if cached is not None and key_opens(cached.key_hash, digest):
             return cached
         meta = await self.store.get_session(session_id)
         if meta is None:
             self._sessions.pop(session_id, None)
             return None
         self._remember(meta)
-        return meta if opens(meta) else None
+        return meta if key_opens(meta.key_hash, digest) else None
 
     async def get(self, session_id: str, *, create: bool | None = None) -> SessionMeta:
         cached = self._sessions.get(session_id)
@@ -163,7 +161,7 @@ class SessionCache:
             digest = session_key_request.get()
             if digest:
                 meta = await self.store.get_session(session_id)
-                if meta is None or not hmac.compare_digest(meta.key_hash, digest):
+                if meta is None or not key_opens(meta.key_hash, digest):
                     raise Refused(
                         401, "wrong or expired API key", kind="authentication_error"
                     ) from None
