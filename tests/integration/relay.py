@@ -84,24 +84,35 @@ class Relay:
                 ),
                 stream=True,
             )
-            if exchange is None or upstream.status_code != 200:
+            media = upstream.headers.get("content-type", "application/json")
+            if (
+                exchange is None
+                or upstream.status_code != 200
+                or not media.startswith("text/event-stream")
+            ):
                 content = await upstream.aread()
                 await upstream.aclose()
-                return Response(content, upstream.status_code, media_type="application/json")
+                if exchange is not None and upstream.status_code == 200:
+                    _record(exchange, json.loads(content))
+                return Response(content, upstream.status_code, media_type=media)
             recorded = exchange
 
-            async def relay_body() -> Any:
-                buffer = b""
+            async def relay_events() -> Any:
+                # Each event is recorded before it is passed on: the session server may answer
+                # its client (and the test read the exchange) as soon as it has the last one.
+                pending = b""
                 try:
                     async for chunk in upstream.aiter_raw():
-                        buffer += chunk
+                        pending += chunk
+                        *lines, pending = pending.split(b"\n")
+                        for line in lines:
+                            _record_line(recorded, line)
                         yield chunk
+                    _record_line(recorded, pending)
                 finally:
                     await upstream.aclose()
-                    _record(recorded, buffer)
 
-            media = upstream.headers.get("content-type", "application/json")
-            return StreamingResponse(relay_body(), upstream.status_code, media_type=media)
+            return StreamingResponse(relay_events(), upstream.status_code, media_type=media)
 
         @contextlib.asynccontextmanager
         async def lifespan(_app: Starlette) -> AsyncIterator[None]:
@@ -113,27 +124,24 @@ class Relay:
         )
 
 
-def _record(exchange: Exchange, body: bytes) -> None:
-    """vLLM's answer: one JSON document, or SSE `data:` lines (prompt IDs in the first)."""
-    text = body.decode()
-    if text.lstrip().startswith("{"):
-        payloads = [json.loads(text)]
-    else:
-        payloads = [
-            json.loads(line[5:])
-            for line in text.splitlines()
-            if line.startswith("data:") and line[5:].strip() != "[DONE]"
-        ]
-    for payload in payloads:
-        if exchange.reported_prompt is None and payload.get("prompt_token_ids") is not None:
-            exchange.reported_prompt = list(payload["prompt_token_ids"])
-            exchange.mm_placeholders = payload.get("mm_placeholders")
-        for choice in payload.get("choices") or ():
-            index = choice["index"]
-            exchange.sampled.setdefault(index, []).extend(choice.get("token_ids") or [])
-            content = (choice.get("logprobs") or {}).get("content") or ()
-            exchange.logprobs.setdefault(index, []).extend(entry["logprob"] for entry in content)
-            for span in choice.get("weight_versions") or ():
-                exchange.weight_versions.setdefault(index, []).append(
-                    (span["version"], span["start"], span["end"])
-                )
+def _record_line(exchange: Exchange, line: bytes) -> None:
+    """One SSE line of vLLM's streamed answer (the prompt IDs come in the first event)."""
+    text = line.decode().strip()
+    if text.startswith("data:") and text[5:].strip() != "[DONE]":
+        _record(exchange, json.loads(text[5:]))
+
+
+def _record(exchange: Exchange, payload: dict[str, Any]) -> None:
+    """One JSON document of vLLM's answer: the whole reply, or one streamed event."""
+    if exchange.reported_prompt is None and payload.get("prompt_token_ids") is not None:
+        exchange.reported_prompt = list(payload["prompt_token_ids"])
+        exchange.mm_placeholders = payload.get("mm_placeholders")
+    for choice in payload.get("choices") or ():
+        index = choice["index"]
+        exchange.sampled.setdefault(index, []).extend(choice.get("token_ids") or [])
+        content = (choice.get("logprobs") or {}).get("content") or ()
+        exchange.logprobs.setdefault(index, []).extend(entry["logprob"] for entry in content)
+        for span in choice.get("weight_versions") or ():
+            exchange.weight_versions.setdefault(index, []).append(
+                (span["version"], span["start"], span["end"])
+            )
