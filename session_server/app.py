@@ -24,6 +24,7 @@ from session_server.api import (
     generate,
     health,
     messages,
+    policy,
     responses,
     sessions,
     viewer,
@@ -35,6 +36,7 @@ from session_server.engine_wire import wire_for
 from session_server.engines import EngineClient
 from session_server.management import SessionService
 from session_server.metrics import Metrics
+from session_server.policy.fleet import PolicyFleet
 from session_server.sampling import check_sampling, generation_defaults
 from session_server.service_config import ServiceConfig
 from session_server.settings import Settings
@@ -110,8 +112,10 @@ def build_service(
             settings.engine_urls,
             model=settings.model,
             discover=settings.engine_discovery,
+            health_interval_s=settings.engine_health_interval_s,
             max_inflight_per_replica=settings.engine_max_inflight,
             wire=wire_for(settings.engine_kind, settings.model),
+            engine_key=settings.engine_key,
         ),
         model=model,
         config=config,
@@ -125,15 +129,25 @@ def create_app(settings: Settings, service: TurnService | None = None) -> LanedF
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await service.engine.start()
+        await fleet.start()
         try:
             yield
         finally:
+            await fleet.close()
             await service.engine.close()
             await service.store.close()
 
     app = LanedFastAPI(title="tokenkeep session server", version=__version__, lifespan=lifespan)
     app.state.turns = service
     app.state.sessions = SessionService(service)
+    fleet = PolicyFleet(
+        service.engine,
+        service.store,
+        service.metrics,
+        served_model=settings.tokenizer or None,
+        interval_s=settings.engine_health_interval_s,
+    )
+    app.state.policy = fleet
     app.state.settings = settings
     admission = Admission(
         service.metrics,
@@ -143,7 +157,17 @@ def create_app(settings: Settings, service: TurnService | None = None) -> LanedF
     )
     app.state.admission = admission
     errors.install(app)
-    for module in (chat, messages, responses, completions, generate, sessions, health, viewer):
+    for module in (
+        chat,
+        messages,
+        responses,
+        completions,
+        generate,
+        sessions,
+        policy,
+        health,
+        viewer,
+    ):
         app.include_router(module.router)
     # Their turn routes are served by the lane (api/lane.py), in front of FastAPI's stack.
     app.lane_routers = [m.router for m in (chat, messages, responses, completions, generate)]

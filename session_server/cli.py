@@ -79,6 +79,16 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     flag("--max-header-bytes", "largest request head", type=int)
     flag("--keep-alive-s", "idle client connections close after this", type=float)
     flag("--engine-max-inflight", "requests in flight per engine replica", type=int)
+    flag(
+        "--engine-key",
+        "sent to every engine replica (Authorization: Bearer); engines started for "
+        "publishing (tokenkeep engine start --engine-key, ModelServer) ask for it",
+    )
+    flag(
+        "--engine-health-interval-s",
+        "how often replicas are checked, and fenced or caught up to the published policy",
+        type=float,
+    )
     flag("--shutdown-grace-s", "on SIGTERM, time for in-flight requests to finish", type=float)
     flag("--redis-retry-s", "retry Redis this long before 503", type=float)
     flag("--redis-wait-replicas", "acknowledge a turn once N Redis replicas hold it", type=int)

@@ -19,7 +19,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -139,6 +139,7 @@ class EngineClient:
         discover: bool = False,
         max_inflight_per_replica: int = 256,
         wire: Wire | None = None,
+        engine_key: str | None = None,
     ):
         if not urls:
             raise ValueError("at least one engine URL is required")
@@ -149,6 +150,17 @@ class EngineClient:
         self._configured = [url.rstrip("/") for url in urls]
         self._discover = discover
         self._replicas = {url: Replica(url) for url in self._configured}
+        # Sent on every request, health checks included: an engine started for publishing
+        # asks for it on every path but /health (session_server/vllm_extension.py).
+        auth = {"authorization": f"Bearer {engine_key}"} if engine_key else {}
+        self._lean_headers = {**_LEAN_HEADERS, **auth}
+        self.on_replica_appeared: list[Callable[[Replica], None]] = []
+        """Called with each replica discovery adds or a health check finds back up (the
+        policy fences it until it is known to serve the published version)."""
+        self.published_version: str | None = None
+        """The policy version published through tokenkeep (None: none)."""
+        self.accepts_version: Callable[[str], bool] | None = None
+        """Whether a generation stamped with this version may be kept (None: any)."""
         # Waiting for a free connection is queueing behind a burst, not a failure: the pool
         # wait gets the whole request timeout. The connect timeout is generous too: it runs
         # on this process's event loop, and while a burst of requests keeps the loop busy
@@ -176,6 +188,7 @@ class EngineClient:
         self._http = httpx.AsyncClient(
             timeout=timeout,
             transport=transport or httpx.AsyncHTTPTransport(limits=limits),
+            headers=auth,
         )
         # Health checks get their own small pool, so a burst that fills the request pool
         # cannot starve them into declaring a busy engine dead.
@@ -184,6 +197,7 @@ class EngineClient:
             timeout=self._health_timeout,
             limits=httpx.Limits(max_connections=8, keepalive_expiry=KEEPALIVE_EXPIRY_S),
             transport=transport,
+            headers=auth,
         )
         self._health_task: asyncio.Task[None] | None = None
         self._aborting: set[asyncio.Task[None]] = set()
@@ -244,16 +258,34 @@ class EngineClient:
             healthy = False
         if healthy != replica.healthy:
             logger.warning("engine %s is now %s", replica.url, "up" if healthy else "down")
+            if healthy:
+                self._appeared(replica)  # maybe restarted: on which weights?
         replica.healthy = healthy
         if healthy:
             replica.failures = 0
         if healthy:
             await self.wire.probe(self._http, replica, self._health_timeout)
 
-    @staticmethod
-    def _observe_version(replica: Replica, spans: list[WeightSpan] | None) -> None:
-        if spans:
-            replica.weight_version = spans[-1].version
+    def _observe_version(self, replica: Replica, spans: list[WeightSpan] | None) -> None:
+        """Note the version that sampled a reply's last tokens; raise `Retryable` (fencing
+        the replica) where it is behind the published policy: a replica restarted on its
+        base weights between two health rounds gets no turn stored."""
+        if not spans:
+            return
+        version = spans[-1].version
+        replica.weight_version = version
+        if self.accepts_version is not None and not self.accepts_version(version):
+            replica.fenced = f"behind: sampled with {version}, published {self.published_version}"
+            logger.warning("engine %s fenced: %s", replica.url, replica.fenced)
+            raise Retryable(
+                EngineError(
+                    503,
+                    f"engine {replica.url} sampled with policy {version}, not the published "
+                    f"{self.published_version}; nothing was stored",
+                    "PolicyFenced",
+                ),
+                mark_down=False,
+            )
 
     async def discover(self) -> None:
         """With discovery on, every address a configured host name resolves to is one
@@ -267,7 +299,19 @@ class EngineClient:
                 found[address_url] = self._replicas.get(address_url) or Replica(address_url)
         if found and found.keys() != self._replicas.keys():
             logger.info("engine replicas: %s", ", ".join(sorted(found)))
+            added = [replica for url, replica in found.items() if url not in self._replicas]
             self._replicas = found
+            for replica in added:
+                self._appeared(replica)
+
+    def _appeared(self, replica: Replica) -> None:
+        for hook in self.on_replica_appeared:
+            hook(replica)
+
+    @property
+    def control_http(self) -> httpx.AsyncClient:
+        """The HTTP client (engine key included) for requests other than generations."""
+        return self._http
 
     async def _health_loop(self) -> None:
         while True:
@@ -280,9 +324,18 @@ class EngineClient:
 
     def order_for(self, session_id: str) -> list[Replica]:
         """Replicas to try for a session: healthy ones in rendezvous order. If none is marked
-        healthy, all of them (a stale mark must not turn into a guaranteed failure)."""
-        healthy = [url for url, r in self._replicas.items() if r.healthy]
-        ranked = rendezvous_order(session_id, healthy or list(self._replicas))
+        healthy, all of them (a stale mark must not turn into a guaranteed failure). A fenced
+        replica (behind the published policy, or its update failed) is never a candidate."""
+        serving = {url: r for url, r in self._replicas.items() if r.fenced is None}
+        if not serving:
+            reasons = "; ".join(f"{r.url}: {r.fenced}" for r in self._replicas.values())
+            raise EngineError(
+                503,
+                f"no engine replica serves the published policy now ({reasons}); retry later",
+                "PolicyFenced",
+            )
+        healthy = [url for url, r in serving.items() if r.healthy]
+        ranked = rendezvous_order(session_id, healthy or list(serving))
         return [self._replicas[url] for url in ranked]
 
     def _attempts(self, session_id: str) -> Iterator[Replica]:
@@ -351,6 +404,8 @@ class EngineClient:
             replica.inflight += 1
             try:
                 generation = await self._generate_on(replica, call)
+                for choice in generation.choices:
+                    self._observe_version(replica, choice.weight_versions)
             except Retryable as failure:
                 last_error = await self._note_failure(replica, failure)
                 continue
@@ -358,8 +413,6 @@ class EngineClient:
                 replica.inflight -= 1
             replica.failures = 0
             generation.latency_s = time.perf_counter() - started
-            for choice in generation.choices:
-                self._observe_version(replica, choice.weight_versions)
             return generation
         assert last_error is not None
         raise last_error
@@ -451,7 +504,9 @@ class EngineClient:
             endpoint = replica.endpoints[path]
         except KeyError:
             endpoint = replica.endpoints[path] = (
-                Endpoint.of(replica.url + path, _LEAN_HEADERS) if self._lean is not None else None
+                Endpoint.of(replica.url + path, self._lean_headers)
+                if self._lean is not None
+                else None
             )
         if endpoint is not None:
             assert self._lean is not None

@@ -10,6 +10,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+# A publish: a tiny model's reload takes 0.1-0.3 s, a large one's minutes.
+_PUBLISH_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 
 class Metrics:
@@ -35,6 +37,46 @@ class Metrics:
             "Stored turns by the policy version that sampled them (a turn sampled across a "
             "weight update counts once for each version).",
             ["version"],
+            registry=r,
+        )
+        self.sampled_tokens_by_weight_version = Counter(
+            "tokenkeep_sampled_tokens_by_weight_version",
+            "Stored sampled tokens by the policy version that sampled them.",
+            ["version"],
+            registry=r,
+        )
+        self.publishes = Counter(
+            "tokenkeep_policy_publishes",
+            "POST /policy publishes by result (ok, partial: some replicas fenced, failed, "
+            "refused: nothing touched).",
+            ["result"],
+            registry=r,
+        )
+        self.publish_replica_seconds = Histogram(
+            "tokenkeep_policy_publish_replica_seconds",
+            "One replica's share of a publish or catch-up: pause, reload, version, checksum.",
+            ["replica"],
+            buckets=_PUBLISH_BUCKETS,
+            registry=r,
+        )
+        self.publish_pause_seconds = Histogram(
+            "tokenkeep_policy_pause_seconds",
+            "How long a publish kept the engines paused, by pause mode.",
+            ["mode"],
+            buckets=_PUBLISH_BUCKETS,
+            registry=r,
+        )
+        self.publish_requests = Counter(
+            "tokenkeep_policy_paused_requests",
+            "This server's generations in flight on a replica when a publish paused it, by "
+            "mode: kept (frozen, resumed on the new weights), waited for, aborted.",
+            ["mode"],
+            registry=r,
+        )
+        self.catch_ups = Counter(
+            "tokenkeep_policy_catch_ups",
+            "Replicas found behind the published policy and reloaded, by result.",
+            ["result"],
             registry=r,
         )
         self.segment_breaks = Counter(
@@ -187,10 +229,19 @@ class _EngineReplicas(Collector):
             "1 for the policy version each engine replica serves (as last read from it).",
             labels=["replica", "version"],
         )
+        fenced = GaugeMetricFamily(
+            "tokenkeep_engine_replica_fenced",
+            "1 while an engine replica gets no turns because it does not serve the published "
+            "policy (reason: behind, update_failed, checksum, new).",
+            labels=["replica", "reason"],
+        )
         replicas = self._metrics._replicas
         for replica in replicas() if replicas else []:
             up.add_metric([replica.url], 1 if replica.healthy else 0)
             if replica.weight_version is not None:
                 versions.add_metric([replica.url, replica.weight_version], 1)
+            if replica.fenced is not None:
+                fenced.add_metric([replica.url, replica.fenced.split(":", 1)[0]], 1)
         yield up
         yield versions
+        yield fenced

@@ -27,6 +27,14 @@ class Settings(BaseSettings):
     engine_kind: Literal["vllm", "sglang"] = "vllm"
     """Which engine's wire format the replicas speak (TOKENKEEP_ENGINE_KIND, flag --engine):
     vLLM's token endpoint or SGLang's native /generate (session_server/engine_wire/)."""
+    engine_key: str | None = None
+    """Sent to every engine replica as `Authorization: Bearer` (TOKENKEEP_ENGINE_KEY): an
+    engine started for publishing asks for it on every path but /health
+    (session_server/vllm_extension.py; `tokenkeep engine start --engine-key`, the operator's
+    engine Secret)."""
+    engine_health_interval_s: float = Field(default=5.0, gt=0)
+    """How often each engine replica is health-checked, its policy version read and, with a
+    published policy, fenced or caught up (TOKENKEEP_ENGINE_HEALTH_INTERVAL_S)."""
     engine_discovery: bool = False
     """Treat every address an engine host name resolves to as a replica, re-resolved over
     time (TOKENKEEP_ENGINE_DISCOVERY; the operator sets it for its headless Service)."""

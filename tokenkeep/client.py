@@ -28,6 +28,7 @@ from tokenkeep.types import (
     Batch,
     Finish,
     FinishedSession,
+    Policy,
     Row,
     SessionInfo,
     Trajectory,
@@ -106,6 +107,16 @@ def _trajectory(
     if min_weight_version is not None:
         params |= {"min_weight_version": min_weight_version, "stale": stale}
     return _Call("GET", f"/sessions/{session_id}/trajectory", params=params)
+
+
+Pause = Literal["keep", "wait", "abort"]
+# A publish lasts as long as the engines' reload (and, with pause "wait", the longest turn).
+PUBLISH_TIMEOUT_S = 900.0
+
+
+def _publish(version: str | int, path: str, pause: Pause, force: bool) -> _Call:
+    body = {"version": version, "source": {"path": path}, "pause": pause, "force": force}
+    return _Call("POST", "/policy", json=body)
 
 
 def _list(
@@ -243,10 +254,34 @@ class Client:
     def close(self) -> None:
         self._http.close()
 
-    def _send(self, call: _Call) -> Any:
-        response = self._http.request(call.method, call.path, json=call.json, params=call.params)
+    def _send(self, call: _Call, timeout: float | None = None) -> Any:
+        response = self._http.request(
+            call.method,
+            call.path,
+            json=call.json,
+            params=call.params,
+            timeout=timeout or self._http.timeout,
+        )
         _raise_for(response.status_code, response.content)
         return response.json() if response.content else None
+
+    def publish_policy(
+        self, version: str | int, *, path: str, pause: Pause = "keep", force: bool = False
+    ) -> Policy:
+        """Publish the checkpoint folder `path` (Hugging Face layout, readable at that path
+        by every engine and the server) as policy `version` to every engine replica (admin
+        key). `pause`: in-flight generations are frozen and resumed on the new weights
+        (keep), finished on the old ones first (wait) or ended (abort). TokenkeepError: 409
+        (not newer than the published version, without `force`; another publish running),
+        400/422 (unreadable checkpoint; one that does not fit the served model: no engine
+        touched), 502/504 (a replica failed: the others serve `version`, it is fenced)."""
+        return Policy.from_json(
+            self._send(_publish(version, path, pause, force), timeout=PUBLISH_TIMEOUT_S)
+        )
+
+    def policy(self) -> Policy:
+        """The published policy and what each engine replica serves."""
+        return Policy.from_json(self._send(_Call("GET", "/policy")))
 
     def create_session(
         self,
@@ -392,12 +427,26 @@ class AsyncClient:
     async def close(self) -> None:
         await self._http.aclose()
 
-    async def _send(self, call: _Call) -> Any:
+    async def _send(self, call: _Call, timeout: float | None = None) -> Any:
         response = await self._http.request(
-            call.method, call.path, json=call.json, params=call.params
+            call.method,
+            call.path,
+            json=call.json,
+            params=call.params,
+            timeout=timeout or self._http.timeout,
         )
         _raise_for(response.status_code, response.content)
         return response.json() if response.content else None
+
+    async def publish_policy(
+        self, version: str | int, *, path: str, pause: Pause = "keep", force: bool = False
+    ) -> Policy:
+        """`Client.publish_policy`."""
+        call = _publish(version, path, pause, force)
+        return Policy.from_json(await self._send(call, timeout=PUBLISH_TIMEOUT_S))
+
+    async def policy(self) -> Policy:
+        return Policy.from_json(await self._send(_Call("GET", "/policy")))
 
     async def create_session(
         self,

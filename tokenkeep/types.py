@@ -99,6 +99,56 @@ class FinishedSession:
 
 
 @dataclass(frozen=True, slots=True)
+class ReplicaPolicy:
+    """One engine replica in `POST /policy`'s answer or `GET /policy`: the version it serves,
+    `state` (serving, updating, behind, fenced), why it gets no turns (`reason`), its
+    weight checksum, and (in a publish's answer) the seconds its update took."""
+
+    engine: str
+    version: str | None
+    state: str
+    reason: str | None
+    checksum: str | None
+    seconds: float | None = None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ReplicaPolicy:
+        return cls(
+            str(data["engine"]),
+            data.get("version"),
+            str(data["state"]),
+            data.get("reason"),
+            data.get("checksum"),
+            data.get("seconds"),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """The published policy (`GET /policy`, or what `POST /policy` published): its version
+    and source, and each replica's state. `pause_seconds` and `requests` (in-flight
+    generations kept, waited for or aborted) come with a publish's answer."""
+
+    version: str | None
+    source: dict[str, Any] | None
+    replicas: list[ReplicaPolicy]
+    published_at: float | None = None
+    pause_seconds: float | None = None
+    requests: dict[str, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Policy:
+        return cls(
+            data.get("version"),
+            data.get("source"),
+            [ReplicaPolicy.from_json(r) for r in data.get("replicas") or ()],
+            data.get("published_at"),
+            data.get("pause_seconds"),
+            dict(data.get("requests") or {}),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class Aborted:
     """What `POST /sessions/{id}/abort` did: `aborted` generations cut on the server that
     received it (others sharing its Redis cut theirs within a fraction of a second), and the

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from session_server.check.scenarios import Completion
 from session_server.engines import EngineChoice, Generation, GenerationDelta, StreamStart
 from session_server.images import ImageInput
+
+
+class _InProcess:
+    kind = "in-process"  # nothing to publish a policy to
 
 
 class ScriptedEngine:
@@ -18,10 +22,14 @@ class ScriptedEngine:
 
     url = "in-process"
     replicas: tuple[Any, ...] = ()  # no replica to report in a session's engine versions
+    wire = _InProcess()
 
     def __init__(self) -> None:
         self.prompts: list[list[int]] = []
         self._queue: deque[Completion] = deque()
+        self.on_replica_appeared: list[Callable[[Any], None]] = []
+        self.published_version: str | None = None
+        self.accepts_version: Callable[[str], bool] | None = None
 
     def script(self, *completions: Completion) -> None:
         self._queue.extend(completions)

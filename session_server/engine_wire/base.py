@@ -126,6 +126,8 @@ class Replica:
     answers it, else the version that sampled the last tokens it returned."""
     weight_info: bool = True
     """False once the replica answered `GET /weight_info` with an error (not in dev mode)."""
+    fenced: str | None = None
+    """Why it gets no turns (behind the published policy, its update failed); None: serves."""
     endpoints: dict[str, Endpoint | None] = field(default_factory=dict, repr=False)
     """Per request path, the lean client's prepared endpoint (None: through httpx)."""
 

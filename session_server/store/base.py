@@ -418,6 +418,24 @@ class SessionStore(Protocol):
         `since <= finished_at <= until`; at most `limit`."""
         ...
 
+    async def get_policy(self) -> bytes | None:
+        """The published policy (`policy/state.py` encodes it), None before any publish."""
+        ...
+
+    async def put_policy(self, document: bytes) -> None:
+        """Replace the published policy (its one writer holds the `policy` lease)."""
+        ...
+
+    async def claim_lease(self, name: str, owner: str, ttl_s: float) -> bool:
+        """Take the lease `name` for `ttl_s` seconds, or extend it if `owner` holds it; False
+        while another owner holds it. Leases make one server at a time do a fleet-wide job
+        (a publish, one replica's catch-up)."""
+        ...
+
+    async def release_lease(self, name: str, owner: str) -> None:
+        """Give the lease back if `owner` still holds it."""
+        ...
+
     async def ping(self) -> bool:
         """Whether the store answers now (one attempt, no retries: readiness probes)."""
         ...

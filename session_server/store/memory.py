@@ -76,6 +76,9 @@ class MemoryStore:
         self._sweep_interval_s = sweep_interval_s
         self._next_sweep = clock() + sweep_interval_s
         self._aborts: dict[str, float] = {}
+        self._policy: bytes | None = None
+        self._leases: dict[str, tuple[str, float]] = {}
+        """Lease name -> (owner, monotonic expiry)."""
 
     def _live(self, session_id: str) -> _Session | None:
         now = self._clock()
@@ -268,6 +271,24 @@ class MemoryStore:
 
     async def aborts_since(self, since: float) -> dict[str, float]:
         return {sid: at for sid, at in self._aborts.items() if at >= since}
+
+    async def get_policy(self) -> bytes | None:
+        return self._policy
+
+    async def put_policy(self, document: bytes) -> None:
+        self._policy = document
+
+    async def claim_lease(self, name: str, owner: str, ttl_s: float) -> bool:
+        now = time.monotonic()
+        holder = self._leases.get(name)
+        if holder is not None and holder[0] != owner and holder[1] > now:
+            return False
+        self._leases[name] = (owner, now + ttl_s)
+        return True
+
+    async def release_lease(self, name: str, owner: str) -> None:
+        if (holder := self._leases.get(name)) is not None and holder[0] == owner:
+            del self._leases[name]
 
     async def all_turns(self, session_id: str) -> list[TurnRecord]:
         session = self._require(session_id)

@@ -236,8 +236,11 @@ class RedisStore:
         self._release = self._redis.register_script(_script("release.lua"))
         self._images = self._redis.register_script(_script("images.lua"))
         self._abort = self._redis.register_script(_script("abort.lua"))
+        self._lease = self._redis.register_script(_script("lease.lua"))
+        self._unlease = self._redis.register_script(_script("unlease.lua"))
         self._finished_key = f"{key_prefix}:finished"
         self._aborts_key = f"{key_prefix}:aborts"
+        self._policy_key = f"{key_prefix}:policy"
 
     async def _call(self, operation: Callable[[], Awaitable[T]]) -> T:
         """Run `operation`, retrying transient faults with backoff within `retry_s`."""
@@ -514,6 +517,25 @@ class RedisStore:
             lambda: self._poll.zrangebyscore(self._aborts_key, repr(since), "+inf", withscores=True)
         )
         return {member.decode(): float(score) for member, score in found}
+
+    async def get_policy(self) -> bytes | None:
+        found: bytes | None = await self._call(lambda: self._redis.get(self._policy_key))
+        return found
+
+    async def put_policy(self, document: bytes) -> None:
+        await self._call(lambda: self._redis.set(self._policy_key, document))
+
+    def _lease_key(self, name: str) -> str:
+        return f"{self._prefix}:lease:{name}"
+
+    async def claim_lease(self, name: str, owner: str, ttl_s: float) -> bool:
+        keys, args = [self._lease_key(name)], [owner, max(1, int(ttl_s * 1000))]
+        # Retried safely: a claim whose reply was lost finds its own owner and extends.
+        return bool(await self._call(lambda: self._write(self._lease, keys, args)))
+
+    async def release_lease(self, name: str, owner: str) -> None:
+        keys = [self._lease_key(name)]
+        await self._call(lambda: self._write(self._unlease, keys, [owner]))
 
     async def all_turns(self, session_id: str) -> list[TurnRecord]:
         turns_key = self.session_keys(session_id)[1]

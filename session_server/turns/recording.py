@@ -149,6 +149,11 @@ class TurnRecorder(CorePart):
         self.metrics.turns.labels(kind=plan.kind).inc(len(records))
         for version, count in turns_by_version(records).items():
             self.metrics.turns_by_weight_version.labels(version=version).inc(count)
+        for record in records:
+            for span in record.weight_versions:
+                self.metrics.sampled_tokens_by_weight_version.labels(version=span.version).inc(
+                    span.end - span.start
+                )
         if plan.volatile:
             self.metrics.normalized_requests.inc()
         if cached_tokens is not None:
