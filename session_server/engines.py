@@ -266,15 +266,26 @@ class EngineClient:
         if healthy:
             await self.wire.probe(self._http, replica, self._health_timeout)
 
-    def _observe_version(self, replica: Replica, spans: list[WeightSpan] | None) -> None:
+    def _observe_version(
+        self,
+        replica: Replica,
+        spans: list[WeightSpan] | None,
+        accepted_at_start: Callable[[str], bool] | None,
+    ) -> None:
         """Note the version that sampled a reply's last tokens; raise `Retryable` (fencing
-        the replica) where it is behind the published policy: a replica restarted on its
-        base weights between two health rounds gets no turn stored."""
+        the replica) where neither the policy published when the request was sent nor the
+        one published now accepts it: a replica restarted on its base weights between two
+        health rounds gets no turn stored, while a turn that finished on the old weights
+        as a publish began (pause "wait") is kept."""
         if not spans:
             return
         version = spans[-1].version
         replica.weight_version = version
-        if self.accepts_version is not None and not self.accepts_version(version):
+        if (
+            accepted_at_start is not None
+            and not accepted_at_start(version)
+            and not (self.accepts_version is None or self.accepts_version(version))
+        ):
             replica.fenced = f"behind: sampled with {version}, published {self.published_version}"
             logger.warning("engine %s fenced: %s", replica.url, replica.fenced)
             raise Retryable(
@@ -399,13 +410,14 @@ class EngineClient:
             images,
         )
         started = time.perf_counter()
+        accepts = self.accepts_version
         last_error: EngineError | None = None
         for replica in self._attempts(session_id):
             replica.inflight += 1
             try:
                 generation = await self._generate_on(replica, call)
                 for choice in generation.choices:
-                    self._observe_version(replica, choice.weight_versions)
+                    self._observe_version(replica, choice.weight_versions, accepts)
             except Retryable as failure:
                 last_error = await self._note_failure(replica, failure)
                 continue
@@ -442,10 +454,11 @@ class EngineClient:
             images,
         )
         last_error: EngineError | None = None
+        accepts = self.accepts_version
         for replica in self._attempts(session_id):
             replica.inflight += 1
             try:
-                async with contextlib.aclosing(self._stream_on(replica, call)) as events:
+                async with contextlib.aclosing(self._stream_on(replica, call, accepts)) as events:
                     async for event in events:
                         yield event
                 return
@@ -456,7 +469,9 @@ class EngineClient:
         assert last_error is not None
         raise last_error
 
-    async def _stream_on(self, replica: Replica, call: Call) -> AsyncIterator[StreamEvent]:
+    async def _stream_on(
+        self, replica: Replica, call: Call, accepts: Callable[[str], bool] | None
+    ) -> AsyncIterator[StreamEvent]:
         """One replica's stream; `Retryable` only while nothing has been yielded."""
         request_id = _request_id(call)
         response = await self._post(replica, call, request_id)
@@ -472,7 +487,7 @@ class EngineClient:
                     started = True
                     yield StreamStart(replica.url, prompt_ids_seen)
                 for delta in deltas:
-                    self._observe_version(replica, delta.weight_versions)
+                    self._observe_version(replica, delta.weight_versions, accepts)
                     yield delta
         except Retryable as failure:
             if started:

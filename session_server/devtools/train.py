@@ -13,14 +13,16 @@ meets it 1 time in len(CITIES), and only learning raises it.
 
 The learner (`session_server.devtools.grpo`, torch in the engine's environment) takes a
 GRPO step from tokenkeep's exported arrays (token ids, loss mask, the rollout's logprobs),
-writes the new weights, and vLLM reloads them in place (`/collective_rpc reload_weights`:
-the engine is never restarted); the policy version is bumped so the next tokens carry it.
+writes the new weights, and the loop publishes them through the session server
+(`POST /policy`, as any trainer does): every engine replica reloads them in place (the engine
+is never restarted) and the policy version is bumped so the next tokens carry it.
 
 Asynchronous by default: the next step's rollouts start while the learner trains, so some
 of them span a weight update; the export's `weight_versions` show where the version changed
 and the importance ratio weighs the older tokens against the logprobs they were sampled
-with. After each reload the engine's logprobs of a fixed probe are compared with the
-learner's (a stale output layer, the tied-embeddings trap, would show as a gap).
+with. After each publish the engine's logprobs of a fixed probe are compared with the
+learner's on the bf16 weights it sent (a stale output layer, the tied-embeddings trap,
+would show as a gap; what remains is bf16 against fp32 arithmetic).
 """
 
 from __future__ import annotations
@@ -179,6 +181,7 @@ class Learner:
     """The GRPO learner as a child process in the engine's environment (JSON lines)."""
 
     def __init__(self, model_dir: Path, work_dir: Path, lr: float, seed: int) -> None:
+        self.model_dir = model_dir
         self.log_path = work_dir / "learner.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115  (closed in close())
         self.process = subprocess.Popen(
@@ -232,8 +235,8 @@ class Learner:
 
 
 class Engine:
-    """What the loop asks of the running vLLM (dev mode): versions, in-place reloads,
-    prompt logprobs."""
+    """The probe's reader: prompt logprobs straight from the running vLLM (weights are
+    published through the session server's `POST /policy`, not here)."""
 
     def __init__(self, url: str, served_model_name: str) -> None:
         self.http = httpx.Client(base_url=url, timeout=300)
@@ -241,35 +244,8 @@ class Engine:
 
     def _post(self, path: str, **kwargs: Any) -> httpx.Response:
         response = self.http.post(path, **kwargs)
-        if response.status_code == 404:
-            raise localengine.LocalEngineError(
-                f"the engine has no {path}: start it with VLLM_SERVER_DEV_MODE=1"
-            )
         response.raise_for_status()
         return response
-
-    def publish(self, version: str) -> None:
-        self._post("/update_weight_version", json={"new_version": version})
-
-    def load(self, weights: Path, version: str) -> dict[str, Any]:
-        """Swap the weights in place and stamp `version`. In-flight turns finish on the old
-        weights first (pause "wait"; new turns queue until resume), and the prefix cache,
-        KV computed by the old weights, is dropped: a turn after the swap is computed by
-        the new weights from its first prompt token."""
-        started = time.monotonic()
-        self._post("/pause", params={"mode": "wait"})
-        try:
-            # Not plain `reload_weights`: it leaves a tied output layer on the old weights
-            # (session_server/vllm_extension.py).
-            reloaded = self._post(
-                "/collective_rpc", json={"method": "reload_weights_tied", "args": [str(weights)]}
-            ).json()["results"][0]
-            if not self._post("/reset_prefix_cache").json().get("success"):
-                raise localengine.LocalEngineError("vLLM could not drop its prefix cache")
-            self.publish(version)
-        finally:
-            self._post("/resume")
-        return {**reloaded, "seconds": round(time.monotonic() - started, 3)}
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         body = {
@@ -317,7 +293,10 @@ def train(
 
     run = uuid.uuid4().hex[:8]
     version = 0
-    engine.publish(str(version))
+    tk = Client(base_url)
+    # Version 0 is the base model, published like every later step (`force`: a shared
+    # engine and store may have served a run before).
+    tk.publish_policy(version, path=str(learner.model_dir), pause="wait", force=True)
     pool = ThreadPoolExecutor(max_workers=group_size)
 
     def start(step: int) -> list[Future[Rollout]]:
@@ -331,7 +310,6 @@ def train(
     probe: list[int] | None = None
     started = time.monotonic()
     pending = start(0)
-    tk = Client(base_url)
     http = httpx.Client(base_url=base_url, timeout=120)
     try:
         for step in range(steps):
@@ -362,7 +340,9 @@ def train(
                 pending = start(step + 1)
             before = engine.prompt_logprobs(probe)
             version += 1
-            loaded = engine.load(Path(stepped["weights"]), str(version))
+            # Through tokenkeep, as a trainer publishes: in-flight turns finish on the old
+            # weights first (pause "wait"), every replica reloads in place.
+            published = tk.publish_policy(version, path=stepped["weights"], pause="wait")
             after = engine.prompt_logprobs(probe)
             if not asynchronous and step + 1 < steps:
                 pending = start(step + 1)
@@ -384,8 +364,8 @@ def train(
                 "probe_gap": round(_gap(after, learner_logprobs), 5),
                 "probe_shift": round(_gap(before, learner_logprobs), 5),
                 "train_seconds": stepped["train_seconds"],
-                "load_seconds": loaded["seconds"],
-                "lm_head_vs_checkpoint": loaded["lm_head_vs_checkpoint"],
+                "publish_seconds": max(r.seconds or 0.0 for r in published.replicas),
+                "pause_seconds": published.pause_seconds,
                 "seconds": round(time.monotonic() - step_started, 2),
             }
             curve.append(line)
@@ -485,10 +465,13 @@ def main(args: argparse.Namespace) -> int:
                         trajectory_dir=args.trajectory_dir,
                         emit=emit,
                     )
+                    if owned is None:  # a shared engine gets its original weights back
+                        from tokenkeep import Client
+
+                        with Client(base) as tk:
+                            tk.publish_policy(0, path=str(model_dir), force=True)
             finally:
                 learner.close()
-                if owned is None:  # a shared engine gets its original weights back
-                    engine.load(model_dir, "0")
         engine.close()
     except localengine.LocalEngineError as error:
         print(f"error: {error}", file=sys.stderr)

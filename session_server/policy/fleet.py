@@ -192,14 +192,18 @@ class PolicyFleet:
         if state.catching_up is not None or not replica.healthy:
             return
         version = replica.weight_version
+        control = self._control(replica)
+        if version is None or not published.accepts(version):
+            # The health round's reading may predate the publish this server just read.
+            with contextlib.suppress(ControlError):
+                version = replica.weight_version = await control.version()
         if version is None or not published.accepts(version):
             self._fence(replica, f"behind: serves {version}, published {published.version}")
             if published.path is not None and published.pending is None:
-                state.catching_up = asyncio.create_task(self._catch_up(replica, published))
+                state.catching_up = asyncio.create_task(self._catch_up(replica))
             return
         if version != published.version:
             return  # being published by another server, which stores it when done
-        control = self._control(replica)
         if state.checked != (version, published.published_at):
             try:
                 state.checksum = await control.checksum()
@@ -229,21 +233,31 @@ class PolicyFleet:
         replica.fenced = reason
         self._state(replica.url).state = "behind" if reason.startswith("behind") else "fenced"
 
-    async def _catch_up(self, replica: Replica, published: PublishedPolicy) -> None:
-        """Reload a replica that is behind from the published folder (under a lease: one
-        server per replica), then let `follow` verify it."""
+    async def _catch_up(self, replica: Replica) -> None:
+        """Reload a replica that is behind from the published folder. Under the policy
+        lease, as a publish: one fleet-wide job at a time, so a catch-up never races a
+        publish (or another server's catch-up) on the same replica."""
         state = self._state(replica.url)
-        lease = f"catch-up:{replica.url}"
         try:
-            if not await self.store.claim_lease(lease, self.owner, CATCH_UP_LEASE_S):
+            if not await self.store.claim_lease(PUBLISH_LEASE, self.owner, CATCH_UP_LEASE_S):
                 return
             try:
+                await self.refresh()
+                published = self.published
+                control = self._control(replica)
+                if published is None or published.path is None:
+                    return
+                if (await control.version()) == published.version:
+                    return  # caught up meanwhile; the next round checks its checksum
                 outcome = ReplicaOutcome(replica.url)
                 await self._update(replica, published, "abort", outcome)
-                await self._control(replica).resume()
+                await control.resume()
                 replica.weight_version = published.version
                 state.checksum = outcome.checksum
                 state.checked = (published.version, published.published_at)
+                self.metrics.publish_replica_seconds.labels(replica=replica.url).observe(
+                    outcome.seconds
+                )
                 if published.checksum is not None and outcome.checksum != published.checksum:
                     # Resumed, but fenced: it serves nothing until a publish brings it back.
                     self._fence(replica, f"checksum: {outcome.checksum} after catch-up")
@@ -259,7 +273,7 @@ class PolicyFleet:
                     outcome.seconds,
                 )
             finally:
-                await self.store.release_lease(lease, self.owner)
+                await self.store.release_lease(PUBLISH_LEASE, self.owner)
         except ControlError as error:
             self.metrics.catch_ups.labels(result="failed").inc()
             self._fence(replica, f"behind: catch-up failed: {error}")
@@ -297,8 +311,12 @@ class PolicyFleet:
                 "publishes through vLLM's development endpoints (SGLang: issue 37)",
                 "not_supported",
             )
-        if not await self.store.claim_lease(PUBLISH_LEASE, self.owner, PUBLISH_LEASE_S):
-            raise PublishError(409, "another publish is in progress; retry", "publish_in_progress")
+        if not await self._wait_for_lease():
+            raise PublishError(
+                409,
+                f"another publish or catch-up held the fleet for {PUBLISH_LEASE_S:g}s; retry",
+                "publish_in_progress",
+            )
         renew = asyncio.create_task(self._renew(PUBLISH_LEASE, PUBLISH_LEASE_S))
         self._publishing = True
         try:
@@ -330,6 +348,16 @@ class PolicyFleet:
             with contextlib.suppress(asyncio.CancelledError):
                 await renew
             await self.store.release_lease(PUBLISH_LEASE, self.owner)
+
+    async def _wait_for_lease(self) -> bool:
+        """Take the policy lease, waiting for a catch-up or another server's publish to end
+        (up to the lease's own lifetime)."""
+        deadline = time.monotonic() + PUBLISH_LEASE_S
+        while not await self.store.claim_lease(PUBLISH_LEASE, self.owner, PUBLISH_LEASE_S):
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.1)
+        return True
 
     async def _renew(self, lease: str, ttl_s: float) -> None:
         while True:
