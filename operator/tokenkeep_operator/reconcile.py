@@ -212,18 +212,18 @@ class Reconciler:
             return [f"NetworkPolicy {name}: {error_message(error)}"]
         return []
 
-    def _create_admin_key(self, owner: Owner) -> str | None:
-        """Create the generated admin-key Secret unless it exists; the refusal's message if
-        the server refuses it. Create-only (the operator may not read Secrets): applying it
-        would replace the key on every reconcile."""
+    def _create_key(self, secret: dict[str, Any]) -> str | None:
+        """Create a generated key's Secret (admin key, engine key) unless it exists; the
+        refusal's message if the server refuses it. Create-only (the operator may not read
+        Secrets): applying it would replace the key on every reconcile."""
         try:
-            self.kube.create(session.admin_key_secret(owner))
+            self.kube.create(secret)
         except ApiException as error:
             if error.status == 409:  # it exists, which is the usual case
                 return None
             if _transient(error):
                 raise
-            return f"Secret {owner.name}-admin-key: {error_message(error)}"
+            return f"Secret {secret['metadata']['name']}: {error_message(error)}"
         return None
 
     def _write_status(self, body: dict[str, Any], new: dict[str, Any]) -> None:
@@ -273,9 +273,15 @@ class Reconciler:
             spec, problems = validate(ModelServerSpec, body)
             refused: list[str] = []
             if spec is not None:
-                refused = self._apply_all(body, engine.render(_owner(body), spec))
+                owner = _owner(body)
+                # The key first: the engine pods (and the session servers') read it.
+                generated = spec.policy.publishing and spec.policy.engine_key_secret_ref is None
+                problem = self._create_key(engine.engine_key_secret(owner)) if generated else None
+                refused = self._apply_all(body, engine.render(owner, spec, self.default_image))
                 if not spec.network_policy.enabled:
                     refused += self._delete_network_policy(body, engine.deployment_name(name))
+                if problem:
+                    refused.append(problem)
             self._finish(body, self.model_server_status(body, spec, problems), refused)
 
     def model_server_status(
@@ -355,7 +361,8 @@ class Reconciler:
                 owner = _owner(body)
                 objects = session.render(owner, spec, ms_name, ms_spec, self.default_image)
                 # The key first: the session server's pods read it from this Secret.
-                problem = self._create_admin_key(owner) if spec.api_key_secret_ref is None else None
+                generated = spec.api_key_secret_ref is None
+                problem = self._create_key(session.admin_key_secret(owner)) if generated else None
                 refused = self._apply_all(body, objects)
                 if not spec.network_policy.enabled:
                     refused += self._delete_network_policy(body, redis.statefulset_name(name))
