@@ -449,6 +449,25 @@ class ModelServerStatus(CRDModel):
     )
 
 
+class PolicyStatus(CRDModel):
+    """The published policy, as the session server's GET /policy reports it."""
+
+    summary: str = Field(
+        description="`VERSION (SERVING/ENGINES)`, `base (...)` before any publish, `unknown` "
+        "while the session server cannot be asked, `unsupported` for an image without "
+        "GET /policy."
+    )
+    version: str | None = Field(None, description="The published policy version.")
+    published_at: str | None = Field(None, description="When it was published.")
+    engine_replicas: int | None = Field(None, description="Engine replicas the server knows.")
+    serving_replicas: int | None = Field(
+        None, description="Engine replicas serving turns with the published policy."
+    )
+    message: str | None = Field(
+        None, description="Why the policy is unknown, or which replicas do not serve it."
+    )
+
+
 class SessionServerStatus(CRDModel):
     observed_generation: int | None = Field(
         None, description="The generation the operator last acted on."
@@ -460,6 +479,7 @@ class SessionServerStatus(CRDModel):
     session_url_template: str | None = Field(
         None, description="OpenAI base URL of one session: replace {session_id}."
     )
+    policy: PolicyStatus | None = Field(None, description=PolicyStatus.__doc__)
     conditions: list[Condition] = Field(
         default_factory=list, description="Ready, Progressing and Degraded."
     )
