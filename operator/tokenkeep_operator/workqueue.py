@@ -36,14 +36,15 @@ class _Slot:
 class WorkQueue:
     def __init__(
         self,
-        work: Callable[[Hashable], None],
+        work: Callable[[Hashable], float | None],
         *,
         debounce: float = 1.0,
         backoff: float = 5.0,
         max_backoff: float = 300.0,
     ) -> None:
         """`work(key)` runs in a worker thread (it makes blocking API calls); an exception
-        from it means "try again later"."""
+        from it means "try again later", a number "run again that many seconds from now"
+        (state no watch event announces, e.g. a SessionServer's published policy)."""
         self._work = work
         self.debounce = debounce
         self.backoff = backoff
@@ -78,8 +79,9 @@ class WorkQueue:
 
     async def _run(self, key: Hashable, slot: _Slot) -> None:
         retry: float | None = None
+        poll: float | None = None
         try:
-            await asyncio.get_running_loop().run_in_executor(None, self._work, key)
+            poll = await asyncio.get_running_loop().run_in_executor(None, self._work, key)
             slot.failures = 0
         except Exception as error:
             slot.failures += 1
@@ -92,5 +94,7 @@ class WorkQueue:
             self.add(key)
         elif retry is not None:
             self.add(key, retry)
+        elif poll is not None:
+            self.add(key, poll)
         else:
             del self._slots[key]

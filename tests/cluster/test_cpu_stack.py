@@ -214,14 +214,28 @@ def _diagnose_failures(node: Node, request: pytest.FixtureRequest) -> Iterator[N
 
 
 @pytest.fixture(scope="module")
-def stack(node: Node, release: Path) -> Stack:
-    """`kubectl apply -f examples/cpu/` and both resources Ready through real probes."""
+def model_server(node: Node, release: Path) -> str:
+    """`kubectl apply -f examples/cpu/modelserver.yaml`, Ready through real probes (the stack
+    below adds the SessionServer in front of the same engine). Returns the namespace."""
     node.kubectl("create", "namespace", NS)
+    started = time.monotonic()
+    node.kubectl("apply", "-n", NS, "-f", str(EXAMPLES / "modelserver.yaml"))
+    try:
+        wait_for(lambda: ready(node, "modelserver", "tiny-qwen3"), timeout=900, interval=5)
+    except BaseException:
+        diagnose(node)
+        raise
+    node.timings["modelserver_ready_s"] = time.monotonic() - started
+    return NS
+
+
+@pytest.fixture(scope="module")
+def stack(node: Node, release: Path, model_server: str) -> Stack:
+    """`kubectl apply -f examples/cpu/` and both resources Ready through real probes."""
     started = time.monotonic()
     node.kubectl("apply", "-n", NS, "-f", str(EXAMPLES))
     try:
         wait_for(lambda: ready(node, "modelserver", "tiny-qwen3"), timeout=900, interval=5)
-        node.timings["modelserver_ready_s"] = time.monotonic() - started
         wait_for(lambda: ready(node, "sessionserver", "rollouts"), timeout=600, interval=5)
         node.timings["sessionserver_ready_s"] = time.monotonic() - started
     except BaseException:
@@ -247,6 +261,37 @@ def test_the_operator_runs_as_a_pod_holding_the_charts_lease(node: Node, release
     [pod] = node.json("get", "pods", "-n", OPERATOR_NAMESPACE)["items"]
     assert pod["spec"]["serviceAccountName"].startswith(RELEASE)
     assert pod["metadata"]["name"] in holder
+
+
+def test_engine_pods_refuse_publishing_endpoints_without_the_engine_key(
+    node: Node, model_server: str
+) -> None:
+    """The engine pods run vLLM's development endpoints (what POST /policy drives) behind the
+    engine key the operator generated: a request without it, or with a wrong one, to
+    /collective_rpc (a weight reload) or /update_weight_version is refused with 401 and
+    changes nothing, while the kubelet's /health answers 200 without it; the key opens them."""
+    [pod] = node.json("get", "pods", "-n", model_server, "-l", ENGINE_PODS)["items"]
+    base = f"http://{pod['status']['podIP']}:8000"
+    secret = node.json("get", "secret", "tiny-qwen3-engine-key", "-n", model_server)
+    key = base64.b64decode(secret["data"]["engine-key"]).decode()
+    with httpx.Client(base_url=base, timeout=60) as engine:
+        assert engine.get("/health").status_code == 200
+        calls = (
+            ("/collective_rpc", {"method": "reload_weights"}),
+            ("/update_weight_version", {"new_version": "intruder"}),
+        )
+        for path, body in calls:
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
+                refused = engine.post(path, json=body, headers=headers)
+                assert refused.status_code == 401, (path, headers, refused.text)
+        assert engine.get("/v1/models").status_code == 401
+        # The key opens them, and the refused update changed nothing: the fresh engine's
+        # version is vLLM's "default". (VLLM_SERVER_DEV_MODE is on: the endpoint exists.)
+        opened = {"Authorization": f"Bearer {key}"}
+        info = engine.get("/weight_info", headers=opened)
+        assert info.status_code == 200, info.text
+        assert info.json().get("weight_version") == "default", info.text
+        assert engine.get("/v1/models", headers=opened).status_code == 200
 
 
 def test_a_tool_loop_through_the_service_is_one_contiguous_segment(stack: Stack) -> None:

@@ -115,8 +115,11 @@ def test_rbac_is_least_privilege(helm: Path, values: Path) -> None:
     ]
     for rule in rules:
         assert "*" not in rule["verbs"] and "*" not in rule["resources"], rule
-        if "secrets" in rule["resources"]:  # the generated admin keys: create, never read
-            assert rule["resources"] == ["secrets"] and rule["verbs"] == ["create"], rule
+        if "secrets" in rule["resources"]:
+            # The generated admin and engine keys: create; get one admin key by name (for
+            # GET /policy). Never list or watch: no sweep of every Secret.
+            assert rule["resources"] == ["secrets"], rule
+            assert rule["verbs"] in (["create"], ["create", "get"]), rule
         assert "deletecollection" not in rule["verbs"], rule
         if "update" in rule["verbs"]:
             # Finalizers (for blockOwnerDeletion) and the leader-election Lease only.
@@ -131,6 +134,29 @@ def test_rbac_is_least_privilege(helm: Path, values: Path) -> None:
             assert not {"modelservers", "sessionservers", "pods"} & set(rule["resources"]), rule
         if "pods" in rule["resources"]:
             assert set(rule["verbs"]) == {"get", "list", "watch"}
+
+
+def _secret_verbs(documents: list[dict[str, Any]]) -> set[str]:
+    return {
+        verb
+        for doc in documents
+        if doc["kind"] in ("Role", "ClusterRole")
+        for rule in doc["rules"]
+        if "secrets" in rule["resources"]
+        for verb in rule["verbs"]
+    }
+
+
+def test_reading_admin_keys_for_the_policy_status_can_be_turned_off(
+    helm: Path, tmp_path: Path
+) -> None:
+    """By default the operator may get a Secret by name (a SessionServer's admin key, for
+    status.policy); `rbac.readAdminKeys: false` leaves it create-only, as before."""
+    default = Path(__file__).parent / "chart_values" / "namespaced.yaml"
+    assert _secret_verbs(render(helm, default)) == {"create", "get"}
+    off = tmp_path / "off.yaml"
+    off.write_text("rbac:\n  readAdminKeys: false\n")
+    assert _secret_verbs(render(helm, default, "-f", str(off))) == {"create"}
 
 
 def test_rbac_covers_every_kind_the_operator_writes(helm: Path) -> None:

@@ -21,7 +21,8 @@ IMAGE = "registry.example/tokenkeep:0.1.0"
 
 
 def render_modelserver(resource: dict[str, Any]) -> list[dict[str, Any]]:
-    return engine.render(owner_of(resource), ModelServerSpec.model_validate(resource["spec"]))
+    spec = ModelServerSpec.model_validate(resource["spec"])
+    return engine.render(owner_of(resource), spec, IMAGE)
 
 
 def render_sessionserver(
@@ -50,6 +51,10 @@ def pvc_modelserver() -> dict[str, Any]:
                 "env": [{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}],
             },
             "scheduling": {"nodeSelector": {"gpu": "h100"}, "priorityClassName": "rl"},
+            "policy": {
+                "engineKeySecretRef": {"name": "trainer-keys", "key": "engine"},
+                "checkpoints": {"claimName": "rl-checkpoints", "mountPath": "/ckpt"},
+            },
         },
     }
 
@@ -142,6 +147,7 @@ def test_every_tokenkeep_variable_the_operator_writes_is_a_server_setting() -> N
         "TOKENKEEP_REDIS_WAIT_REPLICAS",
         "TOKENKEEP_SAMPLING_OVERRIDES",
         "TOKENKEEP_ADMIN_KEY",
+        "TOKENKEEP_ENGINE_KEY",
     } <= written
 
 
@@ -485,3 +491,155 @@ def test_network_policies_can_be_turned_off() -> None:
         assert "NetworkPolicy" not in {o["kind"] for o in objects}
     # External Redis: nothing of ours to guard.
     assert "NetworkPolicy" not in {o["kind"] for o in SCENARIOS["sessionserver-external-redis"]()}
+
+
+# --- policy publishing: the engine key, the extension, the checkpoint volume -----------------
+
+
+def _engine_pod(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    (deployment,) = [o for o in objects if o["kind"] == "Deployment"]
+    return deployment["spec"]["template"]["spec"]
+
+
+def _env(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def _cpu_pair(**policy: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    model_server = load_example("cpu/modelserver.yaml")
+    if policy:
+        model_server["spec"]["policy"] = policy
+    engines = render_modelserver(model_server)
+    sessions = render_sessionserver(load_example("cpu/sessionserver.yaml"), model_server)
+    return engines, sessions
+
+
+def test_engines_start_ready_to_publish_behind_a_generated_engine_key() -> None:
+    """By default vLLM runs with its development endpoints, tokenkeep's reload and the key
+    middleware; the key comes from the Secret the operator generates, and the SessionServer
+    of this ModelServer reads the same key, which is what it sends to the engines."""
+    from session_server.devtools.localengine import PUBLISHING_ARGS
+
+    engines, sessions = _cpu_pair()
+    pod = _engine_pod(engines)
+    (vllm,) = pod["containers"]
+    args = vllm["args"]
+    start = args.index(PUBLISHING_ARGS[0])
+    assert tuple(args[start : start + len(PUBLISHING_ARGS)]) == PUBLISHING_ARGS
+    assert _flag(args, "--middleware") == "tokenkeep_vllm.EngineKey"
+    env = _env(vllm)
+    assert env["VLLM_SERVER_DEV_MODE"] == "1"
+    key_ref = {"secretKeyRef": {"name": "tiny-qwen3-engine-key", "key": "engine-key"}}
+    assert env["TOKENKEEP_ENGINE_KEY"] == key_ref
+    (session_container,) = _engine_pod(sessions)["containers"]
+    assert _env(session_container)["TOKENKEEP_ENGINE_KEY"] == key_ref
+    # The Secret the reconciler creates once is the one both name; a new key each time.
+    owner = owner_of(load_example("cpu/modelserver.yaml"))
+    secret = engine.engine_key_secret(owner)
+    assert secret["metadata"]["name"] == "tiny-qwen3-engine-key"
+    assert len(secret["stringData"]["engine-key"]) >= 40
+    assert engine.engine_key_secret(owner)["stringData"] != secret["stringData"]
+    assert secret["metadata"]["ownerReferences"][0]["kind"] == "ModelServer"
+    validate_builtin(secret)
+    # The kubelet's probes carry no key: they hit /health, which the middleware leaves open.
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert vllm[probe]["httpGet"]["path"] == "/health"
+
+
+def test_the_engine_pod_refuses_publishing_endpoints_without_its_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Runs the engine pod's init container command (into a temporary folder) and loads the
+    middleware its vLLM is told to, the way vLLM does, from the PYTHONPATH the pod sets, with
+    the key the pod's environment names: /collective_rpc and /update_weight_version are
+    refused (401) without it and with a wrong one, /health answers without it."""
+    import asyncio
+    import importlib
+    import sys
+
+    pod = _engine_pod(_cpu_pair()[0])
+    (init,) = pod["initContainers"]
+    (vllm,) = pod["containers"]
+    path = _env(vllm)["PYTHONPATH"]
+    shared = {m["name"] for m in init["volumeMounts"] if m["mountPath"] == path}
+    assert shared and shared <= {m["name"] for m in vllm["volumeMounts"] if m["mountPath"] == path}
+    assert init["command"][:2] == ["python", "-c"]
+    exec(init["command"][2].replace(path, str(tmp_path)), {})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("TOKENKEEP_ENGINE_KEY", "the-engine-key")
+    module_name, _, cls = _flag(vllm["args"], "--middleware").rpartition(".")
+    sys.modules.pop(module_name, None)
+    module = importlib.import_module(module_name)
+    assert Path(module.__file__).parent == tmp_path
+    sys.modules.pop(module_name, None)
+
+    async def endpoint(scope: Any, receive: Any, send: Any) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    middleware = getattr(module, cls)(endpoint)
+
+    def status(path: str, key: str | None = None) -> int:
+        headers = [(b"authorization", f"Bearer {key}".encode())] if key else []
+        sent: list[dict[str, Any]] = []
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        scope = {"type": "http", "method": "POST", "path": path, "headers": headers}
+        asyncio.run(middleware(scope, receive, send))
+        return sent[0]["status"]
+
+    for guarded in ("/collective_rpc", "/update_weight_version", "/pause", "/v1/models"):
+        assert status(guarded) == 401, guarded
+        assert status(guarded, "wrong") == 401, guarded
+        assert status(guarded, "the-engine-key") == 200, guarded
+    assert status("/health") == 200
+
+
+def test_publishing_off_runs_plain_vllm_and_no_key_anywhere() -> None:
+    engines, sessions = _cpu_pair(publishing=False)
+    pod = _engine_pod(engines)
+    (vllm,) = pod["containers"]
+    assert "--middleware" not in vllm["args"] and "--worker-extension-cls" not in vllm["args"]
+    assert {"VLLM_SERVER_DEV_MODE", "TOKENKEEP_ENGINE_KEY", "PYTHONPATH"}.isdisjoint(_env(vllm))
+    assert "initContainers" not in pod
+    (session_container,) = _engine_pod(sessions)["containers"]
+    assert "TOKENKEEP_ENGINE_KEY" not in _env(session_container)
+
+
+def test_a_named_engine_key_secret_goes_to_engines_and_session_servers() -> None:
+    engines, sessions = _cpu_pair(engineKeySecretRef={"name": "keys", "key": "engine"})
+    ref = {"secretKeyRef": {"name": "keys", "key": "engine"}}
+    (vllm,) = _engine_pod(engines)["containers"]
+    (session_container,) = _engine_pod(sessions)["containers"]
+    assert _env(vllm)["TOKENKEEP_ENGINE_KEY"] == _env(session_container)["TOKENKEEP_ENGINE_KEY"]
+    assert _env(vllm)["TOKENKEEP_ENGINE_KEY"] == ref
+
+
+@pytest.mark.parametrize("mount_path", [None, "/ckpt"])
+def test_the_checkpoint_claim_is_read_only_at_one_path_in_engines_and_session_servers(
+    mount_path: str | None,
+) -> None:
+    """POST /policy names a folder the session server validates and every engine reloads:
+    the trainer's claim is mounted read-only, at the same path, in both kinds of pod."""
+    checkpoints = {"claimName": "rl-checkpoints"} | (
+        {"mountPath": mount_path} if mount_path else {}
+    )
+    engines, sessions = _cpu_pair(checkpoints=checkpoints)
+    expected = mount_path or "/checkpoints"
+    for objects in (engines, sessions):
+        pod = _engine_pod(objects)
+        (volume,) = [v for v in pod["volumes"] if "rl-checkpoints" in str(v)]
+        assert volume["persistentVolumeClaim"] == {"claimName": "rl-checkpoints", "readOnly": True}
+        (container,) = pod["containers"]
+        (mount,) = [m for m in container["volumeMounts"] if m["name"] == volume["name"]]
+        assert mount == {"name": volume["name"], "mountPath": expected, "readOnly": True}
+        for obj in objects:
+            validate_builtin(obj)
+    # Without the field, neither kind of pod mounts anything of the sort.
+    for objects in _cpu_pair():
+        assert "rl-checkpoints" not in str(objects) and expected not in str(objects)

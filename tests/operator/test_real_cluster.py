@@ -543,6 +543,37 @@ def test_sessionserver_gets_a_generated_admin_key(
     assert conditions(admin.get(ss_path(ns, "rollouts")))["Degraded"][0] == "False"
 
 
+def test_modelserver_gets_a_generated_engine_key_its_session_servers_share(
+    admin: Api, ns: str, operator: OperatorProcess
+) -> None:
+    """Publishing is on by default: the operator creates `<modelserver>-engine-key` once (as
+    the chart's ServiceAccount, under owner-reference enforcement), the engine pods and the
+    SessionServer's pods read the same key from it, and a later reconcile never rewrites it.
+    The SessionServer's Policy column says `unknown` while no session server can be asked."""
+    create_example(admin, ns, "modelserver-qwen3-8b.yaml")
+    create_example(admin, ns, "sessionserver.yaml")
+    secret_url = path("v1", "secrets", ns, "qwen3-8b-engine-key")
+    secret = eventually(lambda: admin.get(secret_url))
+    key = secret["data"]["engine-key"]
+    assert len(key) >= 40
+    assert [r["kind"] for r in secret["metadata"]["ownerReferences"]] == ["ModelServer"]
+    ref = {"name": "qwen3-8b-engine-key", "key": "engine-key"}
+    for name in ("qwen3-8b-engine", "rollouts-sessions"):
+        found = eventually(lambda name=name: deployment(admin, ns, name))
+        env = found["spec"]["template"]["spec"]["containers"][0]["env"]
+        key_env = next(e for e in env if e["name"] == "TOKENKEEP_ENGINE_KEY")
+        assert key_env["valueFrom"]["secretKeyRef"] == ref, name
+    engine = deployment(admin, ns, "qwen3-8b-engine")
+    assert "tokenkeep_vllm.EngineKey" in engine_args(engine)
+    admin.patch(ms_path(ns, "qwen3-8b"), {"spec": {"drainSeconds": 61}})
+    eventually(lambda: "61" in engine_args(deployment(admin, ns, "qwen3-8b-engine")))
+    assert admin.get(secret_url)["data"]["engine-key"] == key
+    policy = eventually(
+        lambda: (admin.get(ss_path(ns, "rollouts")).get("status") or {}).get("policy")
+    )
+    assert policy["summary"] == "unknown" and policy["message"], policy
+
+
 def test_a_forbidden_lease_is_an_error_not_a_standby(
     cluster: Cluster, operator_kubeconfig: Path, tmp_path: Path
 ) -> None:

@@ -229,3 +229,185 @@ def test_transition_time_moves_only_when_status_does() -> None:
     assert st.with_transition_times(flipped, before, "t1")[0]["lastTransitionTime"] == "t1"
     assert st.changed_conditions(same, before) == same
     assert st.changed_conditions(before, before) == []
+
+
+# --- the published policy: SessionServer status.policy from GET /policy ---------------------
+
+POLICY = {
+    "version": "12",
+    "source": {"path": "/checkpoints/step-12"},
+    "published_at": 1764288000.5,
+    "replicas": [
+        {"engine": "http://10.0.0.1:8000", "version": "12", "state": "serving", "reason": None,
+         "checksum": "ab"},
+        {"engine": "http://10.0.0.2:8000", "version": "11", "state": "fenced",
+         "reason": "reload failed: 500", "checksum": None},
+    ],
+}  # fmt: skip
+
+
+def test_policy_status_counts_the_replicas_serving_the_published_version() -> None:
+    found = st.policy_status(POLICY)
+    assert found["summary"] == "12 (1/2)"
+    assert (found["version"], found["engineReplicas"], found["servingReplicas"]) == ("12", 2, 1)
+    assert found["publishedAt"] == "2025-11-28T00:00:00Z"
+    assert found["message"] == "http://10.0.0.2:8000 fenced at 11: reload failed: 500"
+    # Serving, but at another version, does not count as serving this one.
+    stale = {**POLICY, "replicas": [{**POLICY["replicas"][0], "version": "11"}]}
+    assert st.policy_status(stale)["summary"] == "12 (0/1)"
+
+
+def test_policy_status_before_any_publish_and_for_odd_answers() -> None:
+    base = {"version": None, "source": None, "published_at": None, "replicas": [
+        {"engine": "e1", "version": "default", "state": "serving"},
+        {"engine": "e2", "version": None, "state": "serving"},
+    ]}  # fmt: skip
+    found = st.policy_status(base)
+    assert found["summary"] == "base (2/2)" and found["version"] is None
+    assert found["message"] is None and found["publishedAt"] is None
+    assert st.policy_status({"version": 7, "replicas": []})["summary"] == "7 (0/0)"
+    assert st.policy_status(None)["summary"] == "unknown"
+    assert st.policy_status({"replicas": "x"})["summary"] == "unknown"
+    # Every field is always there (null where unknown): a merge patch then deletes what an
+    # earlier status said.
+    for status in (found, st.policy_unknown("x"), st.policy_unsupported("u"), st.policy_status(1)):
+        assert set(status) == {"summary", *st.POLICY_FIELDS}
+
+
+class FakeKube:
+    """What Reconciler.published_policy and _write_status use of the API server."""
+
+    def __init__(self, secret: dict[str, Any] | Exception | None) -> None:
+        self.secret = secret
+        self.patches: list[dict[str, Any]] = []
+        self.events: list[tuple[str, ...]] = []
+
+    def get(self, api_version: str, kind: str, namespace: str, name: str) -> Any:
+        assert (api_version, kind, namespace) == ("v1", "Secret", "rl")
+        if isinstance(self.secret, Exception):
+            raise self.secret
+        return self.secret if self.secret and self.secret["metadata"]["name"] == name else None
+
+    def patch_status(self, kind: str, namespace: str, name: str, status: dict[str, Any]) -> None:
+        self.patches.append(status)
+
+    def post_event(self, body: dict[str, Any], *event: str) -> None:
+        self.events.append(event)
+
+
+def _secret(name: str, key: str, value: str) -> dict[str, Any]:
+    import base64
+
+    return {"metadata": {"name": name}, "data": {key: base64.b64encode(value.encode()).decode()}}
+
+
+def _reconciler(kube: Any, answer: Any) -> tuple[Any, list[tuple[str, str]]]:
+    from tokenkeep_operator.reconcile import Reconciler
+
+    asked: list[tuple[str, str]] = []
+
+    def asker(url: str, key: str) -> tuple[int, Any]:
+        asked.append((url, key))
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    return Reconciler(kube, "img", clock=lambda: "t", policy_asker=asker), asked
+
+
+def test_the_operator_asks_the_session_servers_service_with_the_admin_key() -> None:
+    from kubernetes.client import ApiException
+
+    from tokenkeep_operator.models import SessionServerSpec
+
+    spec = SessionServerSpec.model_validate({"modelServerRef": {"name": "m"}})
+    kube = FakeKube(_secret("rollouts-admin-key", "admin-key", "s3cret"))
+    reconciler, asked = _reconciler(kube, (200, POLICY))
+    assert reconciler.published_policy("rl", "rollouts", spec, ready=1)["summary"] == "12 (1/2)"
+    assert asked == [("http://rollouts-sessions.rl.svc:8000/policy", "s3cret")]
+    # A named admin key Secret is the one read.
+    named = SessionServerSpec.model_validate(
+        {"modelServerRef": {"name": "m"}, "apiKeySecretRef": {"name": "mine", "key": "k"}}
+    )
+    reconciler, asked = _reconciler(FakeKube(_secret("mine", "k", "other")), (200, POLICY))
+    reconciler.published_policy("rl", "rollouts", named, ready=1)
+    assert asked[0][1] == "other"
+
+    def policy(kube: Any, answer: Any, ready: int = 1) -> dict[str, Any]:
+        return _reconciler(kube, answer)[0].published_policy("rl", "rollouts", spec, ready)
+
+    # Nothing asked of a server with no ready replica.
+    assert policy(kube, AssertionError("asked"), ready=0)["summary"] == "unknown"
+    # An older image (404), a server down, a refusal, a key that cannot be read: no failure.
+    assert policy(kube, (404, None))["summary"] == "unsupported"
+    down = policy(kube, OSError("connection refused"))
+    assert down["summary"] == "unknown" and "connection refused" in down["message"]
+    assert "401" in policy(kube, (401, None))["message"]
+    forbidden = FakeKube(ApiException(status=403, reason="Forbidden"))
+    assert "not readable" in policy(forbidden, (200, POLICY))["message"]
+    assert "has no key" in policy(FakeKube(None), (200, POLICY))["message"]
+
+
+def test_a_policy_status_unchanged_is_not_written_and_a_lost_version_is_deleted() -> None:
+    """Status is merge-patched, so the server never stores the nulls the operator sends:
+    the same policy compared with the stored one is no write (an idle cluster sees none),
+    and a policy that became unknown sends version null, which deletes the stale one."""
+    kube = FakeKube(None)
+    reconciler, _ = _reconciler(kube, None)
+    stored_unknown = {k: v for k, v in st.policy_unknown("m").items() if v is not None}
+    body = {
+        "kind": "SessionServer",
+        "metadata": {"name": "s", "namespace": "rl", "uid": "u"},
+        "status": {"policy": stored_unknown, "conditions": []},
+    }
+    reconciler._write_status(body, {"policy": st.policy_unknown("m"), "conditions": []})
+    assert kube.patches == []
+    body["status"]["policy"] = {k: v for k, v in st.policy_status(POLICY).items() if v}
+    reconciler._write_status(body, {"policy": st.policy_unknown("m"), "conditions": []})
+    (patch,) = kube.patches
+    assert patch["policy"]["version"] is None and patch["policy"]["summary"] == "unknown"
+
+
+def test_ask_policy_over_http() -> None:
+    import http.server
+    import json
+    import socket
+    import threading
+
+    import pytest
+
+    from tokenkeep_operator.reconcile import ask_policy
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path != "/policy":
+                self.send_response(404)
+                self.end_headers()
+                return
+            ok = self.headers.get("Authorization") == "Bearer k"
+            body = json.dumps(POLICY if ok else {"error": "no"}).encode()
+            self.send_response(200 if ok else 401)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        assert ask_policy(f"{url}/policy", "k") == (200, POLICY)
+        assert ask_policy(f"{url}/policy", "wrong") == (401, None)
+        assert ask_policy(f"{url}/older", "k") == (404, None)
+    finally:
+        server.shutdown()
+        server.server_close()
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    with pytest.raises(OSError):
+        ask_policy(f"http://127.0.0.1:{port}/policy", "k")

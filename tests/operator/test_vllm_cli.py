@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -39,7 +40,8 @@ for command in json.load(sys.stdin):
         continue
     parsed.append({key: getattr(args, key) for key in (
         "enable_scale_out", "tensor_parallel_size", "pipeline_parallel_size",
-        "tool_call_parser", "enable_auto_tool_choice", "reasoning_parser")})
+        "tool_call_parser", "enable_auto_tool_choice", "reasoning_parser",
+        "middleware", "worker_extension_cls")})
 print(json.dumps({
     "parsed": parsed,
     "tool_parsers": list(ToolParserManager.list_registered()),
@@ -93,3 +95,40 @@ def test_vllm_accepts_the_rendered_command_lines() -> None:
             assert args["tool_call_parser"] in result["tool_parsers"]
         if args["reasoning_parser"]:
             assert args["reasoning_parser"] in result["reasoning_parsers"]
+        # Publishing is on by default: the key middleware and the exact reload.
+        assert args["middleware"] == [localengine.KEY_MIDDLEWARE]
+        assert args["worker_extension_cls"] == localengine.WORKER_EXTENSION
+
+
+def test_the_engines_python_imports_what_the_pod_names_from_its_pythonpath(
+    tmp_path: Path,
+) -> None:
+    """The engine pod's init container writes tokenkeep_vllm.py into the folder on the vLLM
+    container's PYTHONPATH; vLLM's own Python (with vLLM's packages, not tokenkeep's) then
+    imports the middleware and the worker extension the command line names."""
+    skip_if_asked()
+    from tests.operator.test_manifests import _cpu_pair, _engine_pod, _env, _flag
+
+    pod = _engine_pod(_cpu_pair()[0])
+    (init,) = pod["initContainers"]
+    (vllm,) = pod["containers"]
+    folder = _env(vllm)["PYTHONPATH"]
+    exec(init["command"][2].replace(folder, str(tmp_path)), {})
+    names = [_flag(vllm["args"], "--middleware"), _flag(vllm["args"], "--worker-extension-cls")]
+    check = (
+        "import importlib, sys\n"
+        "for name in sys.argv[1:]:\n"
+        "    module, _, obj = name.rpartition('.')\n"
+        "    getattr(importlib.import_module(module), obj)\n"
+        "import vllm; print(importlib.import_module('tokenkeep_vllm').__file__)\n"
+    )
+    done = subprocess.run(
+        [str(localengine.install()), "-c", check, *names],
+        env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == str(tmp_path / "tokenkeep_vllm.py")

@@ -73,3 +73,21 @@ def test_failures_are_retried_until_they_succeed() -> None:
 
     asyncio.run(scenario())
     assert attempts == ["a", "a", "a"]
+
+
+def test_work_that_asks_to_be_polled_runs_again_after_that_long() -> None:
+    """A SessionServer's published policy changes no Kubernetes object: its reconcile asks
+    to run again (a number of seconds) and the queue does, until it stops asking."""
+    runs: list[Hashable] = []
+
+    def work(key: Hashable) -> float | None:
+        runs.append(key)
+        return 0.05 if len(runs) < 3 else None
+
+    async def scenario() -> None:
+        queue = WorkQueue(work, debounce=0.01)
+        queue.add("a")
+        await until(lambda: len(runs) == 3 and not queue._slots)
+
+    asyncio.run(scenario())
+    assert runs == ["a", "a", "a"]

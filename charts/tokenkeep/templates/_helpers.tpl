@@ -51,11 +51,13 @@ OwnerReferencesPermissionEnforcement admission plugin is on (OpenShift has it by
 - apiGroups: [""]
   resources: ["services", "configmaps", "serviceaccounts", "persistentvolumeclaims"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
-# Secrets: create only, for each SessionServer's generated admin key. The operator can
-# never read a Secret, so it hands no key to anyone: admins read it from the Secret.
+# Secrets: create, for each SessionServer's generated admin key and each ModelServer's
+# engine key; get (never list or watch), with rbac.readAdminKeys, to read one SessionServer's
+# admin key by name and ask its server GET /policy for the status. The operator hands no key
+# to anyone: admins read them from the Secrets.
 - apiGroups: [""]
   resources: ["secrets"]
-  verbs: ["create"]
+  verbs: {{ if .Values.rbac.readAdminKeys }}["create", "get"]{{ else }}["create"]{{ end }}
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]

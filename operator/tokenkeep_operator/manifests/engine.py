@@ -6,8 +6,10 @@ Every function is pure: (owner, spec) in, Kubernetes objects out.
 from __future__ import annotations
 
 import math
+import secrets
 from typing import Any
 
+from session_server.devtools.localengine import EXTENSION_MODULE, PUBLISHING_ARGS
 from tokenkeep_operator.manifests.common import (
     ENDPOINT_PROPAGATION_SECONDS,
     GENERATION_ANNOTATION,
@@ -24,7 +26,7 @@ from tokenkeep_operator.manifests.common import (
     selector_labels,
     service_account,
 )
-from tokenkeep_operator.models import ModelServerSpec
+from tokenkeep_operator.models import ModelServerSpec, SecretKeyRef
 
 APP = "vllm"
 COMPONENT = "engine"
@@ -34,6 +36,13 @@ MODEL_PATH = "/models"
 STARTUP_PROBE_PERIOD = 10
 # What vLLM needs after its shutdown timeout to tear down workers and exit.
 EXIT_MARGIN_SECONDS = 30
+# Policy publishing: where an init container (the tokenkeep image) puts
+# session_server/vllm_extension.py as the module `tokenkeep_vllm` for the engine to import
+# (any vLLM image, the official one included), and the engine key the module checks.
+EXTENSION_PATH = "/opt/tokenkeep-vllm"
+ENGINE_KEY_VARIABLE = "TOKENKEEP_ENGINE_KEY"
+ENGINE_KEY_SECRET_KEY = "engine-key"
+CHECKPOINTS_VOLUME = "checkpoints"
 
 
 def deployment_name(owner_name: str) -> str:
@@ -73,6 +82,43 @@ def grace_period_seconds(spec: ModelServerSpec) -> int:
     return ENDPOINT_PROPAGATION_SECONDS + spec.drain_seconds + EXIT_MARGIN_SECONDS
 
 
+def engine_key_ref(owner_name: str, spec: ModelServerSpec) -> SecretKeyRef | None:
+    """The engine key of a publishing ModelServer: the Secret the user named, else the one
+    the operator generates. None when publishing is off (the engines ask for no key)."""
+    if not spec.policy.publishing:
+        return None
+    return spec.policy.engine_key_secret_ref or SecretKeyRef(
+        name=f"{owner_name}-engine-key", key=ENGINE_KEY_SECRET_KEY
+    )
+
+
+def engine_key_secret(owner: Owner) -> dict[str, Any]:
+    """A new random engine key. Created once and never updated (the reconciler creates it
+    only where it is missing; the operator cannot read Secrets back): rotating it is deleting
+    it and restarting the engines and session servers. Owned by the ModelServer."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": metadata(owner, f"{owner.name}-engine-key", labels(owner, APP, COMPONENT)),
+        "type": "Opaque",
+        "stringData": {ENGINE_KEY_SECRET_KEY: secrets.token_urlsafe(32)},
+    }
+
+
+def checkpoint_mount(spec: ModelServerSpec) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """(volume, volumeMount) of the checkpoint claim, read-only, for the engine pods and the
+    session-server pods alike: both must read a published folder at the same path."""
+    checkpoints = spec.policy.checkpoints
+    if checkpoints is None:
+        return None
+    volume = {
+        "name": CHECKPOINTS_VOLUME,
+        "persistentVolumeClaim": {"claimName": checkpoints.claim_name, "readOnly": True},
+    }
+    mount = {"name": CHECKPOINTS_VOLUME, "mountPath": checkpoints.mount_path, "readOnly": True}
+    return volume, mount
+
+
 def _model_location(spec: ModelServerSpec) -> tuple[str, dict[str, Any] | None]:
     """What `vllm serve` loads, and the volume holding it for pvc:// uris."""
     if spec.model.scheme in {"hf", "file"}:
@@ -110,6 +156,9 @@ def vllm_args(owner_name: str, spec: ModelServerSpec) -> list[str]:
     if engine.return_routed_experts:
         args.append("--enable-return-routed-experts")
     args += ["--shutdown-timeout", str(spec.drain_seconds)]
+    if spec.policy.publishing:
+        # The exact in-place reload and the engine key on every path but /health.
+        args += list(PUBLISHING_ARGS)
     return args + list(engine.extra_args)
 
 
@@ -132,6 +181,14 @@ def _container(owner: Owner, spec: ModelServerSpec) -> dict[str, Any]:
     if spec.model.auth_secret_ref:
         ref = spec.model.auth_secret_ref
         env.append(secret_env("HF_TOKEN", ref.name, ref.key))
+    key = engine_key_ref(owner.name, spec)
+    if key:
+        env += [
+            # vLLM's development endpoints: pause, resume, reload, versions, checksums.
+            {"name": "VLLM_SERVER_DEV_MODE", "value": "1"},
+            {"name": "PYTHONPATH", "value": EXTENSION_PATH},
+            secret_env(ENGINE_KEY_VARIABLE, key.name, key.key),
+        ]
     env += [{"name": var.name, "value": var.value} for var in spec.engine.env]
     mounts = [
         {"name": "cache", "mountPath": CACHE_PATH},
@@ -139,6 +196,11 @@ def _container(owner: Owner, spec: ModelServerSpec) -> dict[str, Any]:
     ]
     if spec.model.scheme == "pvc":
         mounts.append({"name": "model", "mountPath": MODEL_PATH, "readOnly": True})
+    if spec.policy.publishing:
+        mounts.append({"name": "extension", "mountPath": EXTENSION_PATH, "readOnly": True})
+    checkpoints = checkpoint_mount(spec)
+    if checkpoints:
+        mounts.append(checkpoints[1])
     return {
         "name": "vllm",
         "image": spec.engine.image,
@@ -179,11 +241,43 @@ def _volumes(owner: Owner, spec: ModelServerSpec) -> list[dict[str, Any]]:
     _, model_volume = _model_location(spec)
     if model_volume:
         volumes.append(model_volume)
+    if spec.policy.publishing:
+        volumes.append({"name": "extension", "emptyDir": {"sizeLimit": "1Mi"}})
+    checkpoints = checkpoint_mount(spec)
+    if checkpoints:
+        volumes.append(checkpoints[0])
     return volumes
 
 
-def deployment(owner: Owner, spec: ModelServerSpec) -> dict[str, Any]:
+def extension_copy(tokenkeep_image: str) -> dict[str, Any]:
+    """Copies session_server/vllm_extension.py out of the tokenkeep image as `tokenkeep_vllm`
+    (the engine's PYTHONPATH): the official vLLM image has no tokenkeep in it, and the module
+    then always matches the operator's release."""
+    target = f"{EXTENSION_PATH}/{EXTENSION_MODULE}.py"
+    script = (
+        "import shutil, session_server.vllm_extension as m; "
+        f"shutil.copyfile(m.__file__, {target!r})"
+    )
+    return {
+        "name": "tokenkeep-vllm",
+        "image": tokenkeep_image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["python", "-c", script],
+        "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": [{"name": "extension", "mountPath": EXTENSION_PATH}],
+    }
+
+
+def deployment(owner: Owner, spec: ModelServerSpec, tokenkeep_image: str) -> dict[str, Any]:
     object_labels = labels(owner, APP, COMPONENT)
+    pod_extra = (
+        {"initContainers": [extension_copy(tokenkeep_image)]} if spec.policy.publishing else {}
+    )
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -211,6 +305,7 @@ def deployment(owner: Owner, spec: ModelServerSpec) -> dict[str, Any]:
                     # Service links would inject VLLM_PORT-style variables that vLLM reads.
                     "enableServiceLinks": False,
                     "terminationGracePeriodSeconds": grace_period_seconds(spec),
+                    **pod_extra,
                     "containers": [_container(owner, spec)],
                     "volumes": _volumes(owner, spec),
                     **scheduling_fields(spec.scheduling),
@@ -265,8 +360,10 @@ def engine_network_policy(owner: Owner) -> dict[str, Any]:
     return network_policy(owner, deployment_name(owner.name), APP, COMPONENT, PORT, peers)
 
 
-def render(owner: Owner, spec: ModelServerSpec) -> list[dict[str, Any]]:
-    """Every child of a ModelServer, in the order they should be applied."""
+def render(owner: Owner, spec: ModelServerSpec, tokenkeep_image: str) -> list[dict[str, Any]]:
+    """Every child of a ModelServer, in the order they should be applied (the generated
+    engine key Secret is not among them: the reconciler creates it once, see
+    `engine_key_secret`). `tokenkeep_image` carries the engine extension."""
     objects = [service_account(owner, deployment_name(owner.name), APP, COMPONENT)]
     if spec.cache.enabled:
         objects.append(cache_claim(owner, spec))
@@ -276,5 +373,5 @@ def render(owner: Owner, spec: ModelServerSpec) -> list[dict[str, Any]]:
         _service(owner, pods_service_name(owner.name), headless=True),
         pod_disruption_budget(owner, deployment_name(owner.name), APP, COMPONENT),
         *([engine_network_policy(owner)] if spec.network_policy.enabled else []),
-        deployment(owner, spec),
+        deployment(owner, spec, tokenkeep_image),
     ]

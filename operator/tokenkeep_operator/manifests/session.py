@@ -141,7 +141,7 @@ def admin_key_secret(owner: Owner) -> dict[str, Any]:
 
 
 def _secret_env(
-    owner: Owner, spec: SessionServerSpec, model_server: ModelServerSpec
+    owner: Owner, spec: SessionServerSpec, model_server_name: str, model_server: ModelServerSpec
 ) -> list[dict[str, Any]]:
     env = []
     if spec.redis.mode == "External" and spec.redis.external:
@@ -154,6 +154,10 @@ def _secret_env(
         # The same token that lets vLLM download a gated model lets us load its tokenizer.
         ref = model_server.model.auth_secret_ref
         env.append(secret_env("HF_TOKEN", ref.name, ref.key))
+    engine_key = engine.engine_key_ref(model_server_name, model_server)
+    if engine_key:
+        # The engines ask every request but /health for it (tokenkeep_vllm.EngineKey).
+        env.append(secret_env(ENV_NAMES["engine_key"], engine_key.name, engine_key.key))
     return env
 
 
@@ -178,7 +182,7 @@ def deployment(
         "imagePullPolicy": spec.image_pull_policy,
         "command": ["tokenkeep", "serve"],
         "envFrom": [{"configMapRef": {"name": config_map_name(owner.name)}}],
-        "env": _secret_env(owner, spec, model_server),
+        "env": _secret_env(owner, spec, model_server_name, model_server),
         "ports": [{"name": "http", "containerPort": PORT, "protocol": "TCP"}],
         # Loading a tokenizer from the Hub can take a while on a cold node.
         "startupProbe": http_probe("/healthz", period=5, failures=60),
@@ -213,6 +217,11 @@ def deployment(
         container["volumeMounts"].append(
             {"name": "tokenizer", "mountPath": TOKENIZER_PATH, "readOnly": True}
         )
+    checkpoints = engine.checkpoint_mount(model_server)
+    if checkpoints:
+        # POST /policy validates a checkpoint folder here before any engine reloads it.
+        volumes.append(checkpoints[0])
+        container["volumeMounts"].append(checkpoints[1])
     pod_extra = {"initContainers": init_containers} if init_containers else {}
     return {
         "apiVersion": "apps/v1",
