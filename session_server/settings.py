@@ -89,10 +89,6 @@ class Settings(BaseSettings):
     )
     """Opens every endpoint (Bearer or x-api-key). Unset: protected mode, loopback clients
     only (see session_server.api.auth). TOKENKEEP_API_KEY is its older name."""
-    engine_key: str | None = None
-    """Sent as `Authorization: Bearer <key>` on every engine request (TOKENKEEP_ENGINE_KEY).
-    Minimal field so that the operator's rendering (ENV_NAMES["engine_key"]) has its name;
-    the policy branch owns this setting and reconciles it at merge."""
     session_id_keys: bool = False
     """Accept `tk-<session id>` as that session's key (derivable from the id: trusted
     setups only)."""
