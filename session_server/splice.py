@@ -935,7 +935,11 @@ def template_reply(tokenizer: Any, kind: str) -> tuple[list[int], list[int]] | N
     reply, tools, witness = _PLAIN_REPLY if kind == "plain" else _PROBE_REPLIES[kind]
     prompt = _template_text(tokenizer, _PROBE_USER, tools)
     full = _template_text(tokenizer, [*_PROBE_USER, reply], tools, generation_prompt=False)
-    if prompt is None or full is None or witness not in full[len(prompt) :]:
+    if prompt is None or full is None:
+        return None
+    # The reply starts where the finished turn leaves the generation prompt, which may end
+    # in text the finished turn does not repeat (Gemma 4's prefilled empty thought channel).
+    if witness not in full[_common_prefix(prompt, full) :]:
         return None
     # Where the finished turn is written unlike the generation prompt (a thinking prompt
     # opens `<think>`, the finished turn does not), the model samples what follows their

@@ -31,7 +31,13 @@ from session_server.engines import EngineClient
 from session_server.settings import Settings
 from session_server.splice import ChatModel
 from session_server.store.memory import MemoryStore
-from tests.real_tokenizers import gptoss_dir, llama32_dir, offline_counter_dir, qwen3_dir
+from tests.real_tokenizers import (
+    gemma4_dir,
+    gptoss_dir,
+    llama32_dir,
+    offline_counter_dir,
+    qwen3_dir,
+)
 from tests.suffix_reference import assert_suffix
 
 # folder, the renderer auto must pick, whether new messages are rendered by the template
@@ -45,6 +51,11 @@ FAMILIES: dict[str, tuple[Callable[[], Path], str, bool]] = {
     # R1's renderer writes `<think>\n` after tool results, the official template does not.
     "deepseek-r1": (lambda: offline_counter_dir("deepseek-r1"), "deepseek-r1", True),
     "minimax-m2": (lambda: offline_counter_dir("minimax"), "minimax-m2", False),
+    # Gemma 4's real vocabulary (llama.cpp's GGUF) with the 31B's template, and with the
+    # 26B-A4B's earlier revision the GGUF carries, whose template renders the messages after
+    # a tool call otherwise than the renderer's continuation (so the template renders them).
+    "gemma-4": (gemma4_dir, "gemma4", False),
+    "gemma-4-26b": (lambda: gemma4_dir(None), "gemma4", True),
     # No renderer reads these: the generic path parses calls in the syntax it learned from
     # the template (JSON after `<｜tool▁sep｜>`, JSON in a ```json fence, one element per
     # parameter: tests/session/test_toolsyntax.py).
