@@ -168,6 +168,41 @@ def test_openai_sdk_tool_loop_suffix_is_the_templates_own(family: tuple[str, Cha
             assert_suffix(model, prompts[turn], stored, sampled, history[:upto], TOOLS)
 
 
+def test_previous_response_id_continues_the_segment_on_every_path(
+    family: tuple[str, ChatModel],
+) -> None:
+    """Issue 38: a Responses client that sends only the new items (`previous_response_id`)
+    continues the stored tokens on the generic (template) path too: the template renders
+    the tool result after a stand-in history ending in the stored reply."""
+    _, model = family
+    loop = Loop(model)
+    first, _ = loop.scripter.completion(TOOL_CALL)
+    assert first is not None
+    loop.engine.script(first, loop.scripter.plain("Sunny."))
+    tools = [{"type": "function", **TOOL}]
+
+    async def run() -> None:
+        client = openai.AsyncOpenAI(
+            api_key="x", base_url="http://t/sessions/family-prev/v1", max_retries=0,
+            http_client=loop.http(),
+        )  # fmt: skip
+        one = await client.responses.create(model="m", input=check.FIRST_USER, tools=tools)
+        [call] = [item for item in one.output if item.type == "function_call"]
+        result = {"type": "function_call_output", "call_id": call.call_id,
+                  "output": check.TOOL_RESULT}  # fmt: skip
+        await client.responses.create(
+            model="m", input=[result], tools=tools, previous_response_id=one.id
+        )
+
+    asyncio.run(run())
+    prompts = loop.engine.prompts
+    stored = prompts[0] + first.token_ids
+    assert prompts[1][: len(stored)] == stored, "a new segment: the turn was not continued"
+    # The tool result is what follows (DeepSeek and Gemma 4 write no generation prompt
+    # after a tool result: the model answers on).
+    assert "temperature" in model.decode(prompts[1][len(stored) :])
+
+
 # Templates whose end-of-turn token is not what follows a finished turn, where
 # tests/suffix_reference.py's end-of-turn count does not apply: GLM closes a turn by opening
 # the next message (`<|observation|>`, `<|user|>`); harmony re-renders `<|return|>` as
