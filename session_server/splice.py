@@ -396,6 +396,33 @@ class ChatModel:
         expanded, runs = self._expand(delta, new_messages)
         return Bridge(expanded, runs=runs)
 
+    def stand_in_history(
+        self,
+        prompt_ids: list[int],
+        completion_ids: list[int],
+        finish_reason: str,
+        new_messages: list[Message],
+        tools: list[Tool],
+    ) -> list[Message]:
+        """A history for `bridge` where the request holds only the messages after the
+        stored turn (a Responses request with `previous_response_id`): a user message and
+        the stored reply as parsed from its sampled tokens. The template's splice counts
+        end-of-turn tokens, so only the last turn's shape matters; the reply's calls carry
+        the ids the new tool results answer. Empty where the bridge reads no history."""
+        if not (self.template_bridge or any(m.images for m in new_messages)):
+            return []
+        reply = self.parse(completion_ids, finish_reason, prompt_ids, tools).message
+        answers = [m.tool_call_id for m in new_messages if m.role == "tool" and m.tool_call_id]
+        if reply.tool_calls and len(answers) == len(reply.tool_calls):
+            reply = replace(
+                reply,
+                tool_calls=[
+                    replace(call, id=answer)
+                    for call, answer in zip(reply.tool_calls, answers, strict=True)
+                ],
+            )
+        return [Message(role="user", content=_PROBE_USER[0]["content"]), reply]
+
     def _renderer_bridge(
         self,
         prompt_ids: list[int],
@@ -908,7 +935,11 @@ def template_reply(tokenizer: Any, kind: str) -> tuple[list[int], list[int]] | N
     reply, tools, witness = _PLAIN_REPLY if kind == "plain" else _PROBE_REPLIES[kind]
     prompt = _template_text(tokenizer, _PROBE_USER, tools)
     full = _template_text(tokenizer, [*_PROBE_USER, reply], tools, generation_prompt=False)
-    if prompt is None or full is None or witness not in full[len(prompt) :]:
+    if prompt is None or full is None:
+        return None
+    # The reply starts where the finished turn leaves the generation prompt, which may end
+    # in text the finished turn does not repeat (Gemma 4's prefilled empty thought channel).
+    if witness not in full[_common_prefix(prompt, full) :]:
         return None
     # Where the finished turn is written unlike the generation prompt (a thinking prompt
     # opens `<think>`, the finished turn does not), the model samples what follows their

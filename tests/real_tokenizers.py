@@ -178,3 +178,122 @@ def unlearnable_dir() -> Path:
     config["chat_template"] = UNLEARNABLE_TEMPLATE
     (target / "tokenizer_config.json").write_text(json.dumps(config))
     return target
+
+
+GEMMA4_VOCAB = "vendor/llama.cpp/models/ggml-vocab-gemma-4.gguf"
+GEMMA4_TEMPLATE = "google-gemma-4-31B-it.jinja"
+
+
+def gemma4_dir(template: str | None = GEMMA4_TEMPLATE) -> Path:
+    """Gemma 4: the real vocabulary llama.cpp vendors as a vocabulary-only GGUF
+    (`ggml-vocab-gemma-4.gguf`, 262,144 tokens and 514,906 merges, from the same pinned
+    `llama-cpp-python==0.3.36` sdist, read with the `gguf-py` reader it vendors), written as
+    the tokenizer.json llama.cpp's own tokenizer for it amounts to: BPE on raw UTF-8 with
+    `<0xXX>` byte fallback, spaces as `▁`, text split only between newline runs. It is
+    checked against the GGUF's own test vectors (`.inp` / `.out`) before it is kept.
+    `template`: a llama.cpp template file (the 31B's, the default), or None for the template
+    the GGUF carries (the 26B-A4B's earlier revision)."""
+    target = CACHE / f"gemma-4--{(template or 'gguf').removesuffix('.jinja')}"
+    if (target / "tokenizer_config.json").exists():
+        return target
+    source = _gemma4_sources()
+    target.mkdir(parents=True, exist_ok=True)
+    shutil.copy(source / "tokenizer.json", target / "tokenizer.json")
+    chat_template = (
+        (llama_cpp_templates() / template).read_text()
+        if template
+        else (source / "chat_template.jinja").read_text()
+    )
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<bos>",
+        "eos_token": "<eos>",
+        "pad_token": "<pad>",
+        "unk_token": "<unk>",
+        "chat_template": chat_template,
+    }
+    (target / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+    return target
+
+
+def _gemma4_sources() -> Path:
+    """tokenizer.json + the GGUF's chat template, converted once from the sdist."""
+    target = CACHE / "gemma-4-vocab"
+    if (target / "tokenizer.json").exists():
+        return target
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as scratch:
+        work = Path(scratch)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+             "-d", str(work), LLAMA_CPP_SDIST],
+            check=True,
+        )  # fmt: skip
+        sdist = next(work.glob("llama_cpp_python-*.tar.gz"))
+        with tarfile.open(sdist) as tar:
+            for member in tar.getmembers():
+                name = member.name.split("/", 1)[-1]
+                if name.startswith(GEMMA4_VOCAB) or (
+                    name.startswith("vendor/llama.cpp/gguf-py/gguf/") and name.endswith(".py")
+                ):
+                    tar.extract(member, work, filter="data")
+        root = sdist.name.removesuffix(".tar.gz")
+        llama = work / root / "vendor" / "llama.cpp"
+        sys.path.insert(0, str(llama / "gguf-py"))
+        try:
+            tokenizer, template = _gemma4_tokenizer(work / root / GEMMA4_VOCAB)
+        finally:
+            sys.path.remove(str(llama / "gguf-py"))
+            for module in [m for m in sys.modules if m == "gguf" or m.startswith("gguf.")]:
+                del sys.modules[module]
+        vectors = (
+            (work / root / (GEMMA4_VOCAB + ".inp")).read_text().split("\n__ggml_vocab_test__\n")
+        )
+        expected = (work / root / (GEMMA4_VOCAB + ".out")).read_text().split("\n")
+        for text, ids in zip(vectors, expected, strict=False):
+            got = tokenizer.encode(text, add_special_tokens=False).ids
+            assert got == [int(i) for i in ids.split()], f"Gemma 4 vocabulary: {text!r}"
+        target.mkdir(parents=True, exist_ok=True)
+        tokenizer.save(str(target / "tokenizer.json"))
+        (target / "chat_template.jinja").write_text(template)
+    return target
+
+
+def _gemma4_tokenizer(gguf_path: Path) -> tuple[object, str]:
+    from gguf import GGUFReader  # the reader vendored in the same sdist
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+    )
+
+    fields = GGUFReader(str(gguf_path)).fields
+    tokens = fields["tokenizer.ggml.tokens"].contents()
+    types = fields["tokenizer.ggml.token_type"].contents()
+    merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"].contents()]
+    assert fields["tokenizer.ggml.model"].contents() == "gemma4"
+    tokenizer = Tokenizer(
+        models.BPE(
+            vocab={token: i for i, token in enumerate(tokens)},
+            merges=merges,
+            unk_token="<unk>",
+            byte_fallback=True,
+            fuse_unk=False,
+        )
+    )
+    tokenizer.normalizer = normalizers.Replace(" ", "\u2581")
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("\n+"), behavior="isolated")
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    # Control (3) and user-defined (4) tokens: the turn, channel, tool and image markers.
+    tokenizer.add_special_tokens(
+        [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types, strict=True)
+         if k in (3, 4)]
+    )  # fmt: skip
+    return tokenizer, str(fields["tokenizer.chat_template"].contents())

@@ -66,7 +66,10 @@ SENTINEL = "TokenkeepSuffixSentinel"
 
 
 def expected_suffix_ids(
-    model: ChatModel, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+    model: ChatModel,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    stop: int | None = None,
 ) -> list[int]:
     """The template's own tokens (its tokenization of the whole request) after the last
     assistant message's end-of-turn token.
@@ -75,23 +78,29 @@ def expected_suffix_ids(
     in a render of the history): the last assistant message's content is replaced by a
     sentinel in a text render, and the turn ends at the first end-of-turn token after it.
     The tail that follows is the same text in the real render; its tokens are read off the
-    template's tokenization of the real request."""
+    template's tokenization of the real request. `stop`: the stop token the turn was
+    sampled with where it is not the end-of-turn token (Gemma 4 stops a calling turn at
+    `<|tool_response>`, and the tool results continue the same turn)."""
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-    close = model.close_token_id
+    close = stop if stop is not None else model.close_token_id
     assert close is not None
     close_text = model.tokenizer.convert_ids_to_tokens(close)
     marked = copy.deepcopy(messages)
     marked[last]["content"] = SENTINEL + _text(marked[last].get("content"))
     text = _render_text(model, marked, tools)
-    if SENTINEL not in text and marked[last].get("tool_calls"):
+    calls_stop = stop is not None and stop != model.close_token_id
+    if (SENTINEL not in text or calls_stop) and messages[last].get("tool_calls"):
         # Templates that write only the tool calls of a calling turn (Llama 3): mark a call.
         marked = copy.deepcopy(messages)
         marked[last]["tool_calls"][-1]["function"]["name"] += SENTINEL
         text = _render_text(model, marked, tools)
-    assert text.count(SENTINEL) == 1, "the template does not render the last assistant turn"
+    # (a tool result may name the call it answers: the call is the first)
+    assert text.count(SENTINEL) == 1 or (calls_stop and SENTINEL in text), (
+        "the template does not render the last assistant turn"
+    )
     end = text.find(close_text, text.index(SENTINEL))
     assert end >= 0, "the template does not close the stored turn"
-    tail = text[end + len(close_text) :]
+    tail = text[end + len(close_text) :].replace(SENTINEL, "")  # a result naming the call
     full = _render(model, messages, tools, generation_prompt=True)
     cuts = [i + 1 for i, t in enumerate(full) if t == close and model.decode(full[i + 1 :]) == tail]
     assert len(cuts) == 1, f"the template's tokens hold the tail {tail!r} {len(cuts)} times"
@@ -161,7 +170,8 @@ def assert_suffix(
     added = prompt[len(stored) :]
     closing = closing_rule(model, sampled)
     assert added[: len(closing)] == closing, TRUNCATED_TURN_IS_CLOSED
-    expected = expected_suffix_ids(model, messages, tools)
+    stop = sampled[-1] if sampled and sampled[-1] in model.stop_token_ids else None
+    expected = expected_suffix_ids(model, messages, tools, stop)
     assert added[len(closing) :] == expected, (
         f"added tokens {model.decode(added[len(closing) :])!r} are not the template's tail "
         f"{model.decode(expected)!r} (as token ids)"

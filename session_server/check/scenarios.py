@@ -192,6 +192,15 @@ class Scripter:
         body = (
             full[len(prompt) :] if full.startswith(prompt) else self.model.decode(full_ids[common:])
         )
+        if (
+            reply.get("reasoning_content")
+            and not full.startswith(prompt)
+            and common < len(prompt_ids)
+            and not self.model.opens_reasoning(prompt_ids)
+        ):
+            # The generation prompt already wrote an empty reasoning block (Gemma 4 31B with
+            # thinking off): the model samples no reasoning after it.
+            return None, "the generation prompt closes an empty reasoning block"
         think_close = self.model.think_ids[1]
         closer = self.tokenizer.convert_ids_to_tokens(think_close) if think_close else None
         if closer and self.model.opens_reasoning(prompt_ids) and closer not in body:

@@ -311,6 +311,11 @@ class SessionStore(Protocol):
 
     async def get_image(self, session_id: str, sha256: str) -> bytes | None: ...
 
+    async def get_images(self, session_id: str, sha256s: list[str]) -> dict[str, bytes]:
+        """The session's images among `sha256s` that are still kept (one round trip): a turn
+        continued without its earlier images being resent is sent them from here."""
+        ...
+
     async def lookup(
         self,
         session_id: str,

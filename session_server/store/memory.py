@@ -161,6 +161,11 @@ class MemoryStore:
         session = self._live(session_id)
         return None if session is None else session.images.get(sha256)
 
+    async def get_images(self, session_id: str, sha256s: list[str]) -> dict[str, bytes]:
+        session = self._live(session_id)
+        kept = {} if session is None else session.images
+        return {sha: kept[sha] for sha in sha256s if sha in kept}
+
     async def lookup(
         self,
         session_id: str,

@@ -316,6 +316,13 @@ class RedisStore:
         data = await self._call(lambda: self._redis.hget(key, sha256))
         return None if data is None else bytes(data)
 
+    async def get_images(self, session_id: str, sha256s: list[str]) -> dict[str, bytes]:
+        if not sha256s:
+            return {}
+        key = self._images_key(session_id)
+        found = await self._call(lambda: self._redis.hmget(key, sha256s))
+        return {sha: bytes(data) for sha, data in zip(sha256s, found, strict=True) if data}
+
     async def lookup(
         self,
         session_id: str,

@@ -42,6 +42,16 @@ from session_server.conversation import (
     text_chars,
     validate,
 )
+from session_server.images import (
+    ImageInput,
+    PlaceholderRun,
+    PromptImage,
+    VisionSpec,
+    place,
+    prompt_image,
+    read_image,
+    scan_runs,
+)
 from session_server.metrics import Metrics
 from session_server.sampling import build_sampling
 from session_server.service_config import ServiceConfig
@@ -92,6 +102,14 @@ class Plan:
     its prefix cache: `stale_cache`)."""
     incarnation: str | None = None
     """The session incarnation its lookup read (the stored turns are held as of it)."""
+    delta_images: list[PromptImage] | None = None
+    """The images `prompt_delta` adds, in order, where the splice knows them (an extend or
+    fork: the bridge's; a retry: the retried turn's); None: the request's images."""
+    image_runs: list[PlaceholderRun] = field(default_factory=list)
+    """Every image placeholder run of `prompt_ids`, in order (offsets in `prompt_ids`)."""
+    images: dict[str, ImageInput] = field(default_factory=dict)
+    """The bytes of each image of the prompt by SHA-256: from the request, else from the
+    session's stored images (a client that did not resend them)."""
 
     @property
     def route_start(self) -> int:
@@ -191,6 +209,7 @@ class TurnPlanner(CorePart):
         )
         plan.earlier = _earlier(plan, found)
         plan.incarnation = found.incarnation
+        await self._place_images(session_id, plan, conversation, found)
         if rules:
             plan.volatile = volatile_parts(conversation, rules)
         plan.splice_seconds = time.perf_counter() - started
@@ -229,6 +248,12 @@ class TurnPlanner(CorePart):
         self, session_id: str, prompt_ids: list[int], conversation: Conversation
     ) -> Plan:
         started = time.perf_counter()
+        if self.model.vision is not None and scan_runs(prompt_ids, self.model.vision):
+            raise ConversationError(
+                "a token-ID prompt cannot hold image placeholders (no image comes with it); "
+                "send images through chat, messages or responses",
+                param="prompt",
+            )
         meta = await self.sessions.get(session_id)
         cuts = token_cut_points(prompt_ids, set(self.model.stop_token_ids))
         cut_keys = token_prefix_keys(prompt_ids, cuts)
@@ -276,6 +301,41 @@ class TurnPlanner(CorePart):
         _ask_for_routes(plan)
         return plan
 
+    async def _place_images(
+        self, session_id: str, plan: Plan, conversation: Conversation, found: LookupResult
+    ) -> None:
+        """Where each image of the prompt is and its bytes: the segment's earlier images from
+        their turns' records, the new ones from the splice (or the request, for a prompt
+        rendered whole). An image the request did not resend is read from the session's
+        stored images; one that is no longer there is a 400 naming it (nothing is sent)."""
+        vision = self.model.vision
+        if vision is None:
+            return
+        request = [image for m in conversation.messages for image in m.images]
+        sent = {image.sha256: image for image in request}
+        earlier = [image for turn in plan.earlier for image in _recorded_images(turn)]
+        delta = plan.delta_images
+        if delta is None:
+            delta = [prompt_image(image, vision.spec) for image in request]
+        wanted = earlier + delta
+        if not wanted:
+            return
+        plan.image_runs = place(plan.prompt_ids, wanted, vision)
+        missing = list(dict.fromkeys(i.sha256 for i in wanted if i.sha256 not in sent))
+        kept = await self.store.get_images(session_id, missing) if missing else {}
+        lost = [sha for sha in missing if sha not in kept]
+        if lost:
+            raise ConversationError(
+                f"image {lost[0]} of this session's earlier turns is no longer stored (it "
+                f"expired or was never kept){f' nor {len(lost) - 1} more' if len(lost) > 1 else ''}"
+                "; send the conversation again with its images",
+                param=("previous_response_id" if conversation.previous_response_id else "messages"),
+            )
+        plan.images = {
+            sha: sent[sha] if sha in sent else read_image(kept[sha])
+            for sha in dict.fromkeys(i.sha256 for i in wanted)
+        }
+
     async def _continue_response(
         self, session_id: str, conversation: Conversation, rules: list[Rule] | None
     ) -> tuple[LookupResult, Lineage]:
@@ -308,17 +368,25 @@ class TurnPlanner(CorePart):
             return self._retry(meta, conversation, keys, prompt, found.retry_of)
         if found.parent_path:
             parent = found.parent_path[-1]
+            stored = tokens_through(found.parent_path)
+            prompt_end = len(stored) - len(parent.completion_ids)
             if conversation.previous_response_id:
-                matched = -1
-                history: list[Message] = []
+                # The request holds only what follows the stored turn: where the template is
+                # the reference for the new messages, it renders them after a stand-in for
+                # the history ending in the stored reply (as sampled, parsed again).
                 new_messages = messages
+                history = self.model.stand_in_history(
+                    stored[max(0, prompt_end - BRIDGE_CONTEXT_TOKENS) : prompt_end],
+                    parent.completion_ids,
+                    parent.finish_reason,
+                    new_messages,
+                    conversation.tools,
+                )
             else:
                 assert found.matched_key_index is not None
                 matched = keys.assistant_positions[found.matched_key_index]
                 history = messages[: matched + 1]
                 new_messages = messages[matched + 1 :]
-            stored = tokens_through(found.parent_path)
-            prompt_end = len(stored) - len(parent.completion_ids)
             bridge = self.model.bridge(
                 stored[max(0, prompt_end - BRIDGE_CONTEXT_TOKENS) : prompt_end],
                 parent.completion_ids,
@@ -343,6 +411,10 @@ class TurnPlanner(CorePart):
                 plan.prompt_json = self._extended_json(
                     meta.session_id, parent.turn_id, stored, bridge.delta
                 )
+                if self.model.vision is not None:
+                    plan.delta_images = [
+                        _known(run.sha256, messages, self.model.vision.spec) for run in bridge.runs
+                    ]
                 return plan
             return self._rewrite(meta, conversation, keys, parent.turn_id, bridge.refusal)
         if found.turn_count == 0:
@@ -419,7 +491,7 @@ class TurnPlanner(CorePart):
         retry: TurnRecord,
     ) -> Plan:
         """A new sibling of `retry` with the same prompt (both the message and token paths)."""
-        return self._plan(
+        plan = self._plan(
             meta,
             conversation,
             keys,
@@ -430,6 +502,8 @@ class TurnPlanner(CorePart):
             kind="retry",
             reason=retry.break_reason,
         )
+        plan.delta_images = _recorded_images(retry)
+        return plan
 
     def _fresh(
         self,
@@ -569,3 +643,16 @@ def prompt_of(parent_path: list[TurnRecord], turn: TurnRecord) -> list[int]:
     if turn.segment_start or not parent_path:
         return list(turn.prompt_delta)
     return tokens_through(parent_path) + turn.prompt_delta
+
+
+def _recorded_images(turn: TurnRecord) -> list[PromptImage]:
+    """The images a stored turn's prompt delta added (its record's `extra.images`)."""
+    return [
+        PromptImage(i["sha256"], i["length"], i["width"], i["height"])
+        for i in turn.extra.get("images", ())
+    ]
+
+
+def _known(sha256: str, messages: list[Message], spec: VisionSpec) -> PromptImage:
+    image = next(i for m in messages for i in m.images if i.sha256 == sha256)
+    return prompt_image(image, spec)

@@ -16,7 +16,6 @@ from session_server.conversation import (
     Conversation,
     Message,
 )
-from session_server.images import find_runs
 from session_server.results import (
     ChoiceResult,
     TurnResult,
@@ -79,7 +78,7 @@ class TurnRecorder(CorePart):
         cache: dict[str, Any] = {} if cached_tokens is None else {"cached_tokens": cached_tokens}
         records: list[TurnRecord] = []
         keys: list[list[str]] = []
-        images = await self._keep_images(plan, conversation)
+        images = await self._keep_images(plan)
         for i, s in enumerate(sampled):
             if plan.lineage is not None:
                 reply_key = plan.lineage.reply_key(s.message)
@@ -226,30 +225,25 @@ class TurnRecorder(CorePart):
             self.metrics.retry_races.inc()
         return await self.store.append_turns(session_id, records, keys, incarnation=incarnation)
 
-    async def _keep_images(self, plan: Plan, conversation: Conversation) -> list[dict[str, Any]]:
+    async def _keep_images(self, plan: Plan) -> list[dict[str, Any]]:
         """Store the images this turn's prompt delta added (once per hash per session; the
         earlier ones were stored by the turns that added them) and describe them, offsets
         relative to the delta (the export shifts them into segment coordinates)."""
-        vision = self.model.vision
-        images = {image.sha256: image for m in conversation.messages for image in m.images}
-        if vision is None or not images:
+        if not plan.image_runs:
             return []
         delta_start = len(plan.prompt_ids) - len(plan.prompt_delta)
-        runs = find_runs(
-            plan.prompt_ids, [i for m in conversation.messages for i in m.images], vision
-        )
-        added = [run for run in runs if run.offset >= delta_start]
+        added = [run for run in plan.image_runs if run.offset >= delta_start]
         # Called with no new image too: the Redis store refreshes the images' time to live.
         await self.store.put_images(
-            plan.session.session_id, {run.sha256: images[run.sha256].data for run in added}
+            plan.session.session_id, {run.sha256: plan.images[run.sha256].data for run in added}
         )
         return [
             {
                 "sha256": run.sha256,
                 "offset": run.offset - delta_start,
                 "length": run.length,
-                "width": images[run.sha256].width,
-                "height": images[run.sha256].height,
+                "width": plan.images[run.sha256].width,
+                "height": plan.images[run.sha256].height,
             }
             for run in added
         ]

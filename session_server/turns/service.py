@@ -18,7 +18,7 @@ import orjson
 
 from session_server.conversation import Conversation
 from session_server.engines import EngineClient, EngineError, GenerationDelta
-from session_server.images import ImageInput, collapse, find_runs
+from session_server.images import ImageInput, collapse
 from session_server.metrics import Metrics
 from session_server.reply_split import ReplyStreamer
 from session_server.results import (
@@ -355,15 +355,12 @@ class TurnService:
     ) -> tuple[list[int], tuple[ImageInput, ...]]:
         """The prompt as vLLM's token-in endpoint takes images: one pad per image and every
         image so far, in order (it expands them and echoes the expanded prompt, which the
-        proof then compares with the stored one)."""
-        vision = self.model.vision
-        if vision is None:
+        proof then compares with the stored one). The planner placed them
+        (`Plan.image_runs`) and found each one's bytes, resent or stored."""
+        if not plan.image_runs:
             return plan.prompt_ids, ()
-        images = [image for m in conversation.messages for image in m.images]
-        runs = find_runs(plan.prompt_ids, images, vision)
-        if not runs:
-            return plan.prompt_ids, ()
-        return collapse(plan.prompt_ids, runs), tuple(images)
+        images = tuple(plan.images[run.sha256] for run in plan.image_runs)
+        return collapse(plan.prompt_ids, plan.image_runs), images
 
     def _check_reply(
         self, plan: Plan, received: list[list[int]], index: int, token_ids: list[int]

@@ -330,3 +330,119 @@ def test_responses_input_image(vision_stack: RealStack) -> None:
     )
     summary = http.get(f"/sessions/{session['id']}").json()
     assert (summary["turns"], summary["segments"]) == (2, 1)
+
+
+@pytest.fixture(scope="module")
+def memory_vision_stack(vision_engine: RunningEngine) -> Iterator[RealStack]:
+    """The same stack with the embedded store (no Redis)."""
+    relay = Relay(vision_engine.url)
+    with serving(relay.app()) as relay_url:
+        settings = Settings(
+            engine_urls=[relay_url],
+            model=vision_engine.served_model_name,
+            tokenizer=str(vision_engine.model_dir),
+            context_length=vision_engine.max_model_len,
+        )
+        with serving(create_app(settings)) as url:
+            model = ChatModel(load_tokenizer(str(vision_engine.model_dir)))
+            yield RealStack(url, relay, model, vision_engine)
+
+
+def _input_image(data: bytes) -> dict[str, Any]:
+    url = "data:image/png;base64," + base64.b64encode(data).decode()
+    return {"type": "input_image", "image_url": url}
+
+
+def _respond(client: openai.OpenAI, stream: bool, **body: Any) -> Any:
+    if not stream:
+        return client.responses.create(**body)
+    final = None
+    for event in client.responses.create(**body, stream=True):
+        if event.type in ("response.completed", "response.incomplete"):
+            final = event.response  # a reply cut by max_output_tokens is `incomplete`
+    assert final is not None
+    return final
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("store", ["redis", "memory"])
+def test_previous_response_id_keeps_earlier_images(
+    vision_stack: RealStack, memory_vision_stack: RealStack, store: str, stream: bool
+) -> None:
+    """Issue 38: turn 2 sends only a new image and `previous_response_id` (what the Responses
+    SDK and agents built on it do). The engine gets both images, in order, the prompt
+    continues turn 1's tokens (one segment), and the export maps both runs to their images
+    with loss mask 0."""
+    stack = vision_stack if store == "redis" else memory_vision_stack
+    http = stack.http()
+    session = http.post("/sessions", json={"sampling": {"seed": 6}}).json()
+    client = stack.openai(session)
+    first, second = screenshot(64, 48, 11), screenshot(200, 100, 12)
+    before = len(stack.relay.exchanges)
+    model = stack.engine.served_model_name
+    one = _respond(
+        client, stream, model=model, max_output_tokens=6,
+        input=[{"role": "user", "content": [{"type": "input_text", "text": "What is this?"},
+                                            _input_image(first)]}],
+    )  # fmt: skip
+    two = _respond(
+        client, stream, model=model, max_output_tokens=6, previous_response_id=one.id,
+        input=[{"role": "user", "content": [_input_image(second),
+                                            {"type": "input_text", "text": "And this?"}]}],
+    )  # fmt: skip
+    three = _respond(
+        client, stream, model=model, max_output_tokens=6, previous_response_id=two.id,
+        input="Compare them.",
+    )  # fmt: skip
+    assert three.previous_response_id == two.id
+    vision = stack.model.vision
+    assert vision is not None
+    exchanges = stack.relay.exchanges[before:]
+    _contiguous(exchanges, [[first], [first, second], [first, second]], vision)
+    assert [p["length"] for p in (exchanges[1].mm_placeholders or {})["image"]] == [70, 72]
+    summary = http.get(f"/sessions/{session['id']}").json()
+    assert (summary["turns"], summary["segments"], summary["breaks"]) == (3, 1, {})
+    [branch] = http.get(f"/sessions/{session['id']}/trajectory").json()["branches"]
+    [segment] = branch["segments"]
+    assert segment["token_ids"] == exchanges[-1].reported_prompt + exchanges[-1].sampled[0]
+    sha = {data: hashlib.sha256(data).hexdigest() for data in (first, second)}
+    listed = [[(i["sha256"], i["length"]) for i in t.get("images", [])] for t in segment["turns"]]
+    assert listed == [[(sha[first], 70)], [(sha[second], 72)], []]
+    for turn in segment["turns"]:
+        for entry in turn.get("images", []):
+            at, n = entry["offset"], entry["length"]
+            run = segment["token_ids"][at - 1 : at + n + 1]
+            assert run == [vision.start_id, *[vision.pad_id] * n, vision.end_id]
+            assert segment["loss_mask"][at : at + n] == [0] * n
+
+
+def test_an_earlier_image_no_longer_stored_is_a_400(
+    vision_stack: RealStack, redis_server: str
+) -> None:
+    """An earlier image that cannot be recovered (here: removed from Redis, as an expiry
+    would) answers 400 naming it, and the session is left exactly as it was."""
+    import redis
+
+    http = vision_stack.http()
+    session = http.post("/sessions", json={"sampling": {"seed": 7}}).json()
+    client = vision_stack.openai(session)
+    first = screenshot(64, 48, 21)
+    model = vision_stack.engine.served_model_name
+    one = client.responses.create(
+        model=model, max_output_tokens=4,
+        input=[{"role": "user", "content": [_input_image(first)]}],
+    )  # fmt: skip
+    sha = hashlib.sha256(first).hexdigest()
+    server = redis.Redis.from_url(redis_server)
+    [key] = list(server.scan_iter(f"*{{{session['id']}}}:images"))
+    assert server.hdel(key, sha) == 1
+    before = http.get(f"/sessions/{session['id']}").json()
+    trajectory = http.get(f"/sessions/{session['id']}/trajectory").json()
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.responses.create(
+            model=model, max_output_tokens=4, previous_response_id=one.id, input="and now?"
+        )
+    assert sha in refused.value.message
+    assert refused.value.body["param"] == "previous_response_id"  # type: ignore[index]
+    assert http.get(f"/sessions/{session['id']}").json() == before
+    assert http.get(f"/sessions/{session['id']}/trajectory").json() == trajectory

@@ -31,7 +31,13 @@ from session_server.engines import EngineClient
 from session_server.settings import Settings
 from session_server.splice import ChatModel
 from session_server.store.memory import MemoryStore
-from tests.real_tokenizers import gptoss_dir, llama32_dir, offline_counter_dir, qwen3_dir
+from tests.real_tokenizers import (
+    gemma4_dir,
+    gptoss_dir,
+    llama32_dir,
+    offline_counter_dir,
+    qwen3_dir,
+)
 from tests.suffix_reference import assert_suffix
 
 # folder, the renderer auto must pick, whether new messages are rendered by the template
@@ -45,6 +51,11 @@ FAMILIES: dict[str, tuple[Callable[[], Path], str, bool]] = {
     # R1's renderer writes `<think>\n` after tool results, the official template does not.
     "deepseek-r1": (lambda: offline_counter_dir("deepseek-r1"), "deepseek-r1", True),
     "minimax-m2": (lambda: offline_counter_dir("minimax"), "minimax-m2", False),
+    # Gemma 4's real vocabulary (llama.cpp's GGUF) with the 31B's template, and with the
+    # 26B-A4B's earlier revision the GGUF carries, whose template renders the messages after
+    # a tool call otherwise than the renderer's continuation (so the template renders them).
+    "gemma-4": (gemma4_dir, "gemma4", False),
+    "gemma-4-26b": (lambda: gemma4_dir(None), "gemma4", True),
     # No renderer reads these: the generic path parses calls in the syntax it learned from
     # the template (JSON after `<｜tool▁sep｜>`, JSON in a ```json fence, one element per
     # parameter: tests/session/test_toolsyntax.py).
@@ -155,6 +166,41 @@ def test_openai_sdk_tool_loop_suffix_is_the_templates_own(family: tuple[str, Cha
             assert_template_tail(model, prompts[turn], stored, sampled, history[:upto])
         else:
             assert_suffix(model, prompts[turn], stored, sampled, history[:upto], TOOLS)
+
+
+def test_previous_response_id_continues_the_segment_on_every_path(
+    family: tuple[str, ChatModel],
+) -> None:
+    """Issue 38: a Responses client that sends only the new items (`previous_response_id`)
+    continues the stored tokens on the generic (template) path too: the template renders
+    the tool result after a stand-in history ending in the stored reply."""
+    _, model = family
+    loop = Loop(model)
+    first, _ = loop.scripter.completion(TOOL_CALL)
+    assert first is not None
+    loop.engine.script(first, loop.scripter.plain("Sunny."))
+    tools = [{"type": "function", **TOOL}]
+
+    async def run() -> None:
+        client = openai.AsyncOpenAI(
+            api_key="x", base_url="http://t/sessions/family-prev/v1", max_retries=0,
+            http_client=loop.http(),
+        )  # fmt: skip
+        one = await client.responses.create(model="m", input=check.FIRST_USER, tools=tools)
+        [call] = [item for item in one.output if item.type == "function_call"]
+        result = {"type": "function_call_output", "call_id": call.call_id,
+                  "output": check.TOOL_RESULT}  # fmt: skip
+        await client.responses.create(
+            model="m", input=[result], tools=tools, previous_response_id=one.id
+        )
+
+    asyncio.run(run())
+    prompts = loop.engine.prompts
+    stored = prompts[0] + first.token_ids
+    assert prompts[1][: len(stored)] == stored, "a new segment: the turn was not continued"
+    # The tool result is what follows (DeepSeek and Gemma 4 write no generation prompt
+    # after a tool result: the model answers on).
+    assert "temperature" in model.decode(prompts[1][len(stored) :])
 
 
 # Templates whose end-of-turn token is not what follows a finished turn, where
