@@ -30,7 +30,11 @@ class PolicyLag:
         return {replica.url: replica.weight_version for replica in self.engine.replicas}
 
     def engine_version(self) -> float | None:
-        """The newest numeric policy version any replica serves (None: none known)."""
+        """The published policy version (`POST /policy`) where it is a number, else the
+        newest numeric version any replica serves (None: none known)."""
+        published = self.engine.published_version
+        if published is not None and (number := version_number(published)) is not None:
+            return number
         numbers = [
             version_number(replica.weight_version)
             for replica in self.engine.replicas

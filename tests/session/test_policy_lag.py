@@ -94,3 +94,20 @@ def test_turns_beyond_the_policy_lag_are_refused_without_an_engine_call(
             "3",
             False,
         )
+
+
+def test_the_lag_counts_from_the_published_version() -> None:
+    """After `POST /policy`, a rollout's lag is measured against the published version even
+    while a replica still reports an older one (it is fenced until it catches up)."""
+    from session_server.engines import EngineClient
+    from session_server.metrics import Metrics
+    from session_server.service_config import ServiceConfig
+    from session_server.turns.policy import PolicyLag
+
+    engine = EngineClient(["http://127.0.0.1:9"], model="m")
+    engine.replicas[0].weight_version = "2"
+    lag = PolicyLag(engine, ServiceConfig("m", 4096, max_policy_lag=1), Metrics())
+    assert not lag.lag_exceeded("1")
+    engine.published_version = "5"
+    assert lag.engine_version() == 5
+    assert lag.lag_exceeded("1") and not lag.lag_exceeded("4")
