@@ -102,7 +102,8 @@ class FinishedSession:
 class ReplicaPolicy:
     """One engine replica in `POST /policy`'s answer or `GET /policy`: the version it serves,
     `state` (serving, updating, behind, fenced), why it gets no turns (`reason`), its
-    weight checksum, and (in a publish's answer) the seconds its update took."""
+    weight checksum, and (in a publish's answer) the seconds its update took and each
+    step's."""
 
     engine: str
     version: str | None
@@ -110,6 +111,8 @@ class ReplicaPolicy:
     reason: str | None
     checksum: str | None
     seconds: float | None = None
+    steps: dict[str, float] = field(default_factory=dict)
+    """A publish's seconds per engine step (pause, reload, cache, version, checksum)."""
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ReplicaPolicy:
@@ -120,6 +123,7 @@ class ReplicaPolicy:
             data.get("reason"),
             data.get("checksum"),
             data.get("seconds"),
+            dict(data.get("steps") or {}),
         )
 
 

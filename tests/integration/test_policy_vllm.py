@@ -11,7 +11,6 @@ own torch, written as safetensors (what a trainer writes).
 from __future__ import annotations
 
 import json
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -26,6 +25,7 @@ import pytest
 from session_server.app import create_app
 from session_server.devtools import localengine
 from session_server.settings import Settings
+from tests.checkpoints import perturbed
 from tests.live_server import serving
 from tests.redis_server import start_redis_server, stop_redis_server
 from tests.vllm_fixture import skip_if_asked
@@ -35,32 +35,6 @@ pytestmark = pytest.mark.vllm
 ENGINE_KEY = "engine-key-for-tests"
 ADMIN_KEY = "admin-key-for-tests"
 PROBE = list(range(1000, 1160))
-
-PERTURB = """
-import shutil, sys
-from pathlib import Path
-import torch
-from safetensors.torch import load_file, save_file
-src, out, seed = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3])
-out.mkdir(parents=True)
-for f in src.iterdir():
-    if f.is_file() and f.suffix != ".safetensors":
-        shutil.copy(f, out / f.name)
-g = torch.Generator().manual_seed(seed)
-for f in src.glob("*.safetensors"):
-    tensors = load_file(str(f))
-    moved = {
-        k: (v.float() + 0.5 * v.float().std() * torch.randn(v.shape, generator=g)).to(v.dtype)
-        for k, v in tensors.items()
-    }
-    save_file(moved, str(out / f.name), metadata={"format": "pt"})
-"""
-
-
-def perturbed(model_dir: Path, out: Path, seed: int) -> Path:
-    python = localengine.install(lambda _line: None)
-    subprocess.run([str(python), "-c", PERTURB, str(model_dir), str(out), str(seed)], check=True)
-    return out
 
 
 @dataclass
