@@ -7,7 +7,7 @@ one streamed turn is in flight on each replica's sessions (so `keep` has somethi
 `wait` something to wait for, `abort` something to end), and records:
 - wall: the trainer's `publish_policy` call, end to end over HTTP;
 - pause: how long the replicas were paused (the server's `pause_seconds`);
-- per replica: its seconds and each step's (pause, reload, cache, version, checksum);
+- per replica: its seconds and each step's (pause; reload; cache, version and checksum);
 - control-plane overhead: wall minus the slowest replica's reload step (the engine's own
   work of loading weights; with `wait`, plus the time its pause waited for the turn in
   flight), i.e. everything tokenkeep adds around the reload (the checkpoint check, the

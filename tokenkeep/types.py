@@ -112,7 +112,7 @@ class ReplicaPolicy:
     checksum: str | None
     seconds: float | None = None
     steps: dict[str, float] = field(default_factory=dict)
-    """A publish's seconds per engine step (pause, reload, cache, version, checksum)."""
+    """A publish's seconds per engine step: pause; reload; cache, version and checksum."""
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ReplicaPolicy:

@@ -91,8 +91,8 @@ class ReplicaOutcome:
     """Whether its weights were (maybe) changed: a reload was sent."""
     inflight: int = 0
     steps: dict[str, float] = field(default_factory=dict)
-    """Seconds per step (pause, reload, cache, version, checksum): the engine's own work
-    beside the control plane's."""
+    """Seconds per step (pause; reload; cache, version and checksum, sent together): the
+    engine's own work beside the control plane's."""
 
     def as_json(self) -> dict[str, Any]:
         return {
@@ -469,14 +469,15 @@ class PolicyFleet:
                 raise ControlError(
                     replica.url, "reload", f"tied output layer off the checkpoint: {reloaded}"
                 )
-            # A `keep` pause leaves its frozen requests' blocks in the cache: they are
-            # recomputed by the new weights rather than reused.
-            await control.drop_prefix_cache(running=pause == "keep")
-            lap("cache")
-            await control.set_version(target.version)
-            lap("version")
-            outcome.checksum = await control.checksum()
-            lap("checksum")
+            # Independent of each other once the weights are in, so sent together. A `keep`
+            # pause leaves its frozen requests' blocks in the cache: they are recomputed by
+            # the new weights rather than reused.
+            _, _, outcome.checksum = await asyncio.gather(
+                control.drop_prefix_cache(running=pause == "keep"),
+                control.set_version(target.version),
+                control.checksum(),
+            )
+            lap("cache, version, checksum")
             outcome.version = target.version
         finally:
             outcome.seconds = time.perf_counter() - started
