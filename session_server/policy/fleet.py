@@ -163,7 +163,9 @@ class PolicyFleet:
     def _appeared(self, replica: Replica) -> None:
         if self.published is not None:
             replica.fenced = "new: not yet checked against the published policy"
-            self._state(replica.url).state = "fenced"
+            state = self._state(replica.url)
+            state.state = "fenced"
+            state.checked = None  # maybe restarted: its checksum is read again
 
     # --- following ----------------------------------------------------------------------------
 
@@ -193,8 +195,10 @@ class PolicyFleet:
             return
         version = replica.weight_version
         control = self._control(replica)
-        if version is None or not published.accepts(version):
-            # The health round's reading may predate the publish this server just read.
+        if version is None or not published.accepts(version) or replica.fenced is not None:
+            # The health round's reading may predate the publish this server just read, or
+            # (a fenced replica, one that just came back) the engine's restart: a replica
+            # restarted on its base weights must not be unfenced on its old reading.
             with contextlib.suppress(ControlError):
                 version = replica.weight_version = await control.version()
         if version is None or not published.accepts(version):
