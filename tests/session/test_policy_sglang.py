@@ -219,9 +219,7 @@ def test_a_replica_restarted_at_the_base_version_is_caught_up_before_serving(
     restarted.control.clear()
     before = len(restarted.requests)
     restarted.healthy = True
-    _wait_for(
-        lambda: fleet.states()[restarted.url] == ("serving", "1"), "B caught up and serving"
-    )
+    _wait_for(lambda: fleet.states()[restarted.url] == ("serving", "1"), "B caught up and serving")
     assert (restarted.loaded, restarted.weight_version) == (str(path), "1")
     assert [p for p, _ in restarted.control][:2] == [
         "/pause_generation",
