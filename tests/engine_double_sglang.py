@@ -28,6 +28,30 @@ at commit 0025436 (where `/health` is `/health_generate` and `/server_info` is n
   exceeds the context is refused with a 400 (the server does not clamp).
 The prompt's token ids are never echoed.
 
+Policy publishing (`policy/control.py::SglangControl`), read in `http_server.py` at commit
+0025436 and `io_struct.py`'s request classes:
+- `POST /pause_generation` (no body; the tokenizer manager sets `is_pause` and aborts every
+  request: recorded in `aborted` as "*"; `/generate` requests wait while paused) and
+  `POST /continue_generation`, both answering `{"message": "Generation paused|continued
+  successfully.", "status": "ok"}`;
+- `POST /update_weights_from_disk` (`UpdateWeightFromDiskReqInput`: `model_path`,
+  `load_format`, `abort_all_requests`, `weight_version`): 200 `{"success": true, "message":
+  "Succeeded to update model weights.[ Weight version updated to v.]",
+  "num_paused_requests": 0}`, the radix cache flushed and `weight_version` set; a folder the
+  engine cannot read (missing, or listed in `unreadable`: a replica whose mount lacks it)
+  is 400 `{"success": false, "message": "Failed to get weights iterator: ...",
+  "num_paused_requests": 0}` and the old weights and version stay;
+- `GET|POST /flush_cache`: 200 "Cache flushed.\n..." (400 while `busy`: "When there are
+  running or waiting requests, the operation will not be performed");
+- `POST /update_weight_version` (`UpdateWeightVersionReqInput`: `new_version`,
+  `abort_all_requests` defaulting to true, which aborts every request: "*" in `aborted`):
+  `{"success": true, "message": "Weight version updated to v", "new_version": v}`;
+- `GET /get_weight_version` -> `{"weight_version"}` ("default" at start, as
+  `server_args.weight_version`).
+`loaded` is the folder last loaded (None: the base weights), `flushes` counts cache flushes,
+`control` records each control call's path and body. `restart()` is a restart at the same
+address: base weights, version "default", not paused.
+
 It reuses `EngineDouble`'s scripting (`script`, `default`), its recorded requests and samples,
 `latency_s`, `chunk_delay_s` and its stream accounting; `aborted` lists every rid
 `/abort_request` was asked to stop (and `abort_all` requests, as "*").
@@ -39,6 +63,7 @@ import asyncio
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -122,6 +147,13 @@ class SglangDouble(EngineDouble):
     incremental: bool = False
     """Answer like a server started with --incremental-streaming-output."""
     aborted: list[str] = field(default_factory=list)
+    paused: bool = False
+    busy: bool = False
+    """Answer `/flush_cache` as an engine with running or waiting requests does."""
+    loaded: str | None = None
+    flushes: int = 0
+    unreadable: set[str] = field(default_factory=set)
+    control: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     recorded = SglangRequest
 
     def reset(self) -> None:
@@ -129,6 +161,18 @@ class SglangDouble(EngineDouble):
         with self._lock:
             self.incremental = False
             self.aborted.clear()
+            self.busy = False
+            self.flushes = 0
+            self.unreadable.clear()
+            self.control.clear()
+        self.restart()
+
+    def restart(self) -> None:
+        """What a restarted SGLang server at the same address serves: its base weights."""
+        with self._lock:
+            self.paused = False
+            self.loaded = None
+            self.weight_version = "default"
 
     def _app(self) -> Starlette:
         return Starlette(
@@ -141,8 +185,91 @@ class SglangDouble(EngineDouble):
                 Route("/server_info", self._server_info, methods=["GET"]),
                 Route("/get_server_info", self._server_info, methods=["GET"]),
                 Route("/v1/models", self._sglang_models, methods=["GET"]),
+                Route("/get_weight_version", self._get_weight_version, methods=["GET"]),
+                Route("/pause_generation", self._pause_generation, methods=["POST"]),
+                Route("/continue_generation", self._continue_generation, methods=["POST"]),
+                Route("/update_weights_from_disk", self._update_from_disk, methods=["POST"]),
+                Route("/update_weight_version", self._sglang_weight_version, methods=["POST"]),
+                Route("/flush_cache", self._flush_cache, methods=["GET", "POST"]),
             ]
         )
+
+    async def _control_body(self, request: Request) -> dict[str, Any]:
+        raw = await request.body()
+        body = json.loads(raw) if raw.strip() else {}
+        with self._lock:
+            self.control.append((request.url.path, body))
+        return body if isinstance(body, dict) else {}
+
+    async def _get_weight_version(self, _request: Request) -> Response:
+        return JSONResponse({"weight_version": self.weight_version})
+
+    async def _pause_generation(self, request: Request) -> Response:
+        await self._control_body(request)  # 0025436 reads no body
+        with self._lock:
+            self.paused = True
+            self.aborted.append("*")  # abort_request(abort_all=True)
+        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def _continue_generation(self, request: Request) -> Response:
+        await self._control_body(request)
+        with self._lock:
+            self.paused = False
+        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def _update_from_disk(self, request: Request) -> Response:
+        body = await self._control_body(request)
+        if not isinstance(body.get("model_path"), str):
+            return _error("1 validation error: model_path: field required")
+        path = body["model_path"]
+        if body.get("abort_all_requests"):
+            with self._lock:
+                self.aborted.append("*")
+        if path in self.unreadable or not Path(path).is_dir():
+            message = (
+                f"Failed to get weights iterator: {path} (repository not found or not a "
+                "local folder)."
+            )
+            return JSONResponse(
+                {"success": False, "message": message, "num_paused_requests": 0},
+                status_code=400,
+            )
+        message = "Succeeded to update model weights."
+        with self._lock:
+            self.loaded = path
+            self.flushes += 1  # the scheduler flushes the radix cache after a reload
+            if body.get("weight_version") is not None:
+                self.weight_version = str(body["weight_version"])
+                message += f" Weight version updated to {self.weight_version}."
+        return JSONResponse({"success": True, "message": message, "num_paused_requests": 0})
+
+    async def _sglang_weight_version(self, request: Request) -> Response:
+        body = await self._control_body(request)
+        if body.get("new_version") is None:
+            return _error("1 validation error: new_version: field required")
+        with self._lock:
+            if body.get("abort_all_requests", True):
+                self.aborted.append("*")
+            self.weight_version = str(body["new_version"])
+        version = self.weight_version
+        return JSONResponse(
+            {
+                "success": True,
+                "message": f"Weight version updated to {version}",
+                "new_version": version,
+            }
+        )
+
+    async def _flush_cache(self, request: Request) -> Response:
+        await self._control_body(request)
+        text = (
+            "Cache flushed.\nPlease check backend logs for more details. (When there are "
+            "running or waiting requests, the operation will not be performed.)\n"
+        )
+        with self._lock:
+            if not self.busy:
+                self.flushes += 1
+        return Response(text, status_code=400 if self.busy else 200)
 
     async def _model_info(self, _request: Request) -> Response:
         return JSONResponse(
@@ -226,6 +353,8 @@ class SglangDouble(EngineDouble):
         body, error = await self._read(request)
         if error is not None or body is None:
             return error or Response(status_code=500)
+        while self.paused:  # the tokenizer manager holds requests while paused
+            await asyncio.sleep(0.01)
         prompt = body.get("input_ids")
         sampling = dict(body.get("sampling_params") or {})
         stream = bool(body.get("stream"))

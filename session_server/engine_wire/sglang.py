@@ -55,6 +55,9 @@ ABORT_PATH = "/abort_request"
 # `/server_info` since 0.5; older servers only answer `/get_server_info`.
 SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
 MODELS_PATH = "/v1/models"
+# `{"weight_version": ...}` (http_server.py at 0025436; `server_args.weight_version`, which
+# `/update_weights_from_disk` and `/update_weight_version` set): what fencing compares.
+WEIGHT_VERSION_PATH = "/get_weight_version"
 
 # tokenkeep's merged sampling (vLLM's names) -> SGLang's SamplingParams names. Keys missing
 # here and in _DROPPED have no SGLang equivalent and are refused.
@@ -245,8 +248,16 @@ class SglangWire(Wire):
         self._facts[replica.url] = _ServerFacts(
             int(context) if context else None, bool(info.get("incremental_streaming_output"))
         )
-        if info.get("weight_version") is not None:
-            replica.weight_version = str(info["weight_version"])
+        # The served policy version, read every round so that a replica restarted on its
+        # base weights (SGLang starts at "default") is fenced and caught up
+        # (policy/fleet.py `_follow_one`). `/get_server_info` holds the server arguments,
+        # `weight_version` among them; `/get_weight_version` where it does not.
+        version = info.get("weight_version")
+        if version is None:
+            answer = await _get_json(http, replica.url + WEIGHT_VERSION_PATH, timeout) or {}
+            version = answer.get("weight_version")
+        if version is not None:
+            replica.weight_version = str(version)
 
     def aborts(self, request_id: str, call: Call) -> list[tuple[str, dict[str, Any]]]:
         n = int(call.sampling.get("n") or 1)

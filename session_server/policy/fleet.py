@@ -41,7 +41,7 @@ from session_server.engine_wire.base import Replica
 from session_server.engines import EngineClient
 from session_server.metrics import Metrics
 from session_server.policy.checkpoint import CheckpointError, Layout, check_fits, read_layout
-from session_server.policy.control import ControlError, VllmControl
+from session_server.policy.control import ControlError, EngineControl, control_class, control_for
 from session_server.policy.state import PublishedPolicy, not_newer
 from session_server.store.base import SessionStore
 
@@ -163,7 +163,9 @@ class PolicyFleet:
     def _appeared(self, replica: Replica) -> None:
         if self.published is not None:
             replica.fenced = "new: not yet checked against the published policy"
-            self._state(replica.url).state = "fenced"
+            state = self._state(replica.url)
+            state.state = "fenced"
+            state.checked = None  # maybe restarted: its checksum is read again
 
     # --- following ----------------------------------------------------------------------------
 
@@ -193,8 +195,10 @@ class PolicyFleet:
             return
         version = replica.weight_version
         control = self._control(replica)
-        if version is None or not published.accepts(version):
-            # The health round's reading may predate the publish this server just read.
+        if version is None or not published.accepts(version) or replica.fenced is not None:
+            # The health round's reading may predate the publish this server just read, or
+            # (a fenced replica, one that just came back) the engine's restart: a replica
+            # restarted on its base weights must not be unfenced on its old reading.
             with contextlib.suppress(ControlError):
                 version = replica.weight_version = await control.version()
         if version is None or not published.accepts(version):
@@ -284,8 +288,8 @@ class PolicyFleet:
 
     # --- publishing ---------------------------------------------------------------------------
 
-    def _control(self, replica: Replica) -> VllmControl:
-        return VllmControl(self.engine.control_http, replica.url)
+    def _control(self, replica: Replica) -> EngineControl:
+        return control_for(self.engine.wire.kind, self.engine.control_http, replica.url)
 
     def _check_checkpoint(self, path: str) -> None:
         candidate = read_layout(path)
@@ -304,12 +308,20 @@ class PolicyFleet:
     async def publish(
         self, version: str, path: str, pause: str, *, force: bool = False
     ) -> dict[str, Any]:
-        if self.engine.wire.kind != "vllm":
+        kind = self.engine.wire.kind
+        try:
+            modes = control_class(kind).pause_modes
+        except ValueError:
+            raise PublishError(
+                501, f"publishing to {kind} engines is not built", "not_supported"
+            ) from None
+        if pause not in modes:
+            # Refused before any engine is touched: SGLang (0.5.x) has no pause that keeps
+            # the turns in flight (policy/control.py::SglangControl).
             raise PublishError(
                 501,
-                f"publishing to {self.engine.wire.kind} engines is not built: tokenkeep "
-                "publishes through vLLM's development endpoints (SGLang: issue 37)",
-                "not_supported",
+                f"{kind} engines cannot honour pause {pause!r}: use one of {', '.join(modes)}",
+                "pause_not_supported",
             )
         if not await self._wait_for_lease():
             raise PublishError(
@@ -463,7 +475,7 @@ class PolicyFleet:
             await control.pause(pause)
             lap("pause")
             outcome.touched = True
-            reloaded = await control.reload(target.path)
+            reloaded = await control.reload(target.path, target.version)
             lap("reload")
             if reloaded.get("tied") and (reloaded.get("lm_head_vs_checkpoint") or 0) != 0:
                 raise ControlError(
