@@ -171,8 +171,8 @@ class Engine(CRDModel):
         1,
         ge=1,
         le=64,
-        description="--tensor-parallel-size; gpus / tensorParallelSize > 1 becomes "
-        "--pipeline-parallel-size.",
+        description="Deprecated: use parallelism.tensor, which wins when set. Read as "
+        "parallelism.tensor when that is unset.",
     )
     max_model_len: int | None = Field(
         None, ge=1, description="--max-model-len; the model's own if unset."
@@ -259,17 +259,125 @@ class Policy(CRDModel):
     checkpoints: CheckpointVolume | None = Field(None, description=CheckpointVolume.__doc__)
 
 
-class ModelServerSpec(CRDModel):
-    model_config = ConfigDict(
-        json_schema_extra=cel(
-            "self.resources.gpus % self.engine.tensorParallelSize == 0",
-            "resources.gpus must be a multiple of engine.tensorParallelSize",
-        )
+MULTI_NODE_NOT_BUILT = (
+    "a multi-node engine, which is not built yet (LeaderWorkerSet, issue 35): set "
+    "parallelism.nodes to 1 and fit the model on one node"
+)
+
+
+class Parallelism(CRDModel):
+    """How the engine spreads the model over GPUs, as vLLM's own flags. GPUs per pod =
+    tensor x pipeline x data / nodes: every GPU of the pod must be accounted for (gpus
+    alone never implies pipeline parallelism)."""
+
+    tensor: int | None = Field(
+        None,
+        ge=1,
+        le=64,
+        description="--tensor-parallel-size. Unset: engine.tensorParallelSize (default 1).",
     )
+    pipeline: int = Field(1, ge=1, le=64, description="--pipeline-parallel-size.")
+    data: int = Field(
+        1,
+        ge=1,
+        le=256,
+        description="--data-parallel-size: engine ranks, each with tensor x pipeline GPUs, "
+        "behind one API server (vLLM balances requests between them). With expert: true, the "
+        "MoE layers are spread over the ranks (DeepSeek-V3-class MoE: data 8, expert true).",
+    )
+    data_local: int | None = Field(
+        None,
+        ge=1,
+        le=256,
+        description="--data-parallel-size-local: data-parallel ranks per node (pod). Only "
+        "meaningful with nodes > 1; on one node it must equal data. Unset: data / nodes.",
+    )
+    expert: bool = Field(
+        False, description="--enable-expert-parallel: MoE experts sharded over tensor x data."
+    )
+    nodes: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="Pods (nodes) per engine replica. Only 1 for now: multi-node engines "
+        "(LeaderWorkerSet) are not built yet and are refused.",
+        json_schema_extra=cel("self == 1", f"nodes > 1 asks for {MULTI_NODE_NOT_BUILT}"),
+    )
+
+
+class PodTemplateMetadata(CRDModel):
+    labels: dict[str, str] = Field(
+        default_factory=dict, description="Extra pod labels (the operator's own win)."
+    )
+    annotations: dict[str, str] = Field(
+        default_factory=dict, description="Extra pod annotations (the operator's own win)."
+    )
+
+
+class PodTemplate(CRDModel):
+    """Merged into the pod the operator renders, as a strategic merge would: containers,
+    initContainers, volumes, imagePullSecrets and env by name, volumeMounts by mountPath,
+    ports by containerPort, maps key by key, tolerations appended. Where a field is also
+    rendered by the operator with another value, the operator's value stays and a
+    PodTemplateConflict Warning Event names the field. Use it for runtimeClassName,
+    imagePullSecrets, extra volumes and mounts, securityContext / capabilities, extra
+    resources (RDMA), sidecars, annotations and labels."""
+
+    metadata: PodTemplateMetadata = Field(
+        PodTemplateMetadata(), description="Labels and annotations added to the pods."
+    )
+    spec: dict[str, Any] = Field(
+        default_factory=dict,
+        description="A partial Pod spec (as in a Deployment's template.spec); the main "
+        "container is named vllm (ModelServer) or session-server (SessionServer).",
+    )
+
+    @model_validator(mode="after")
+    def _keyed_items_have_keys(self) -> PodTemplate:
+        for field in ("containers", "initContainers", "volumes", "imagePullSecrets"):
+            items = self.spec.get(field, [])
+            if not isinstance(items, list):
+                raise ValueError(f"spec.{field}: must be a list")
+            for index, item in enumerate(items):
+                if not isinstance(item, dict) or not item.get("name"):
+                    raise ValueError(f"spec.{field}[{index}]: needs a name")
+        return self
+
+
+# CEL rules of ModelServerSpec, beside `_gpus_fit_parallelism` which mirrors them.
+_TENSOR = (
+    "(has(self.parallelism.tensor) ? self.parallelism.tensor : self.engine.tensorParallelSize)"
+)
+MODELSERVER_RULES = [
+    {
+        "rule": f"self.resources.gpus == 0 || self.resources.gpus * self.parallelism.nodes == "
+        f"{_TENSOR} * self.parallelism.pipeline * self.parallelism.data",
+        "message": "resources.gpus per pod must equal parallelism tensor x pipeline x data "
+        "(/ nodes): set parallelism.data (data-parallel ranks), parallelism.tensor or "
+        "parallelism.pipeline to account for every GPU, or change resources.gpus",
+    },
+    {
+        "rule": "!has(self.parallelism.dataLocal) || "
+        "self.parallelism.dataLocal * self.parallelism.nodes == self.parallelism.data",
+        "message": "parallelism.dataLocal x parallelism.nodes must equal parallelism.data "
+        "(on one node: leave dataLocal unset)",
+    },
+    {
+        "rule": "!has(self.parallelism.tensor) || self.engine.tensorParallelSize == 1 || "
+        "self.engine.tensorParallelSize == self.parallelism.tensor",
+        "message": "engine.tensorParallelSize and parallelism.tensor disagree: remove "
+        "engine.tensorParallelSize (parallelism.tensor replaces it)",
+    },
+]
+
+
+class ModelServerSpec(CRDModel):
+    model_config = ConfigDict(json_schema_extra={"x-kubernetes-validations": MODELSERVER_RULES})
 
     model: ModelSource = Field(description="Which model to serve and where it comes from.")
     cache: ModelCache = Field(ModelCache(), description=ModelCache.__doc__)
     engine: Engine = Field(Engine(), description=Engine.__doc__)
+    parallelism: Parallelism = Field(Parallelism(), description=Parallelism.__doc__)
     resources: GPUResources = Field(GPUResources(), description=GPUResources.__doc__)
     replicas: int = Field(1, ge=0, description="Also settable through the scale subresource.")
     startup_timeout_seconds: int = Field(
@@ -290,18 +398,55 @@ class ModelServerSpec(CRDModel):
     )
     policy: Policy = Field(Policy(), description=Policy.__doc__)
 
-    @model_validator(mode="after")
-    def _gpus_fit_tensor_parallel(self) -> ModelServerSpec:
-        if self.resources.gpus % self.engine.tensor_parallel_size:
-            raise ValueError(
-                f"resources.gpus: {self.resources.gpus} is not a multiple of "
-                f"spec.engine.tensorParallelSize ({self.engine.tensor_parallel_size})"
-            )
-        return self
+    pod_template: PodTemplate = Field(PodTemplate(), description=PodTemplate.__doc__)
 
     @property
-    def pipeline_parallel_size(self) -> int:
-        return max(1, self.resources.gpus // self.engine.tensor_parallel_size)
+    def tensor_parallel_size(self) -> int:
+        """parallelism.tensor when set, else the older engine.tensorParallelSize."""
+        return self.parallelism.tensor or self.engine.tensor_parallel_size
+
+    @model_validator(mode="after")
+    def _gpus_fit_parallelism(self) -> ModelServerSpec:
+        """Mirrors MODELSERVER_RULES; each message names the fields to change."""
+        par, gpus = self.parallelism, self.resources.gpus
+        tensor = self.tensor_parallel_size
+        if par.nodes != 1:
+            raise ValueError(f"parallelism.nodes: {par.nodes} asks for {MULTI_NODE_NOT_BUILT}")
+        if par.tensor is not None and self.engine.tensor_parallel_size not in (1, par.tensor):
+            raise ValueError(
+                f"engine.tensorParallelSize: {self.engine.tensor_parallel_size} disagrees "
+                f"with spec.parallelism.tensor ({par.tensor}): remove "
+                "spec.engine.tensorParallelSize (spec.parallelism.tensor replaces it)"
+            )
+        if par.data_local is not None and par.data_local * par.nodes != par.data:
+            raise ValueError(
+                f"parallelism.dataLocal: {par.data_local} x nodes {par.nodes} is not "
+                f"spec.parallelism.data ({par.data}); on one node leave dataLocal unset"
+            )
+        ranks = tensor * par.pipeline * par.data
+        if gpus and gpus * par.nodes != ranks:
+            raise ValueError(f"resources.gpus: {_gpu_mismatch(gpus, tensor, par)}")
+        return self
+
+
+def _gpu_mismatch(gpus: int, tensor: int, par: Parallelism) -> str:
+    """Why `gpus` per pod does not fit the parallelism, and the changes that would fit."""
+    ranks = tensor * par.pipeline * par.data
+    said = (
+        f"{gpus} GPUs per pod, but tensor x pipeline x data = {tensor} x {par.pipeline} x "
+        f"{par.data} = {ranks}"
+    )
+    fixes = []
+    rest = tensor * par.pipeline
+    if gpus % rest == 0:
+        fixes.append(f"spec.parallelism.data: {gpus // rest} (data-parallel engine ranks)")
+    if gpus % (par.pipeline * par.data) == 0:
+        fixes.append(f"spec.parallelism.tensor: {gpus // (par.pipeline * par.data)}")
+    if gpus % (tensor * par.data) == 0 and gpus // (tensor * par.data) > 1:
+        before = " (what gpus alone rendered before)" if par.pipeline == par.data == 1 else ""
+        fixes.append(f"spec.parallelism.pipeline: {gpus // (tensor * par.data)}{before}")
+    fixes.append(f"spec.resources.gpus: {ranks}")
+    return f"{said}; set {' or '.join(fixes)}"
 
 
 # --- SessionServer -----------------------------------------------------------------------
@@ -418,6 +563,10 @@ class SessionServerSpec(CRDModel):
         NetworkPolicy(),
         description="A NetworkPolicy admitting to the managed Redis only this SessionServer's "
         "pods. The session server's own pods get none: harnesses reach them from anywhere.",
+    )
+    pod_template: PodTemplate = Field(
+        PodTemplate(),
+        description=PodTemplate.__doc__ + " Applies to the session-server pods, not Redis.",
     )
 
 

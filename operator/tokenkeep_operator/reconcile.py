@@ -29,7 +29,7 @@ from pydantic import BaseModel, ValidationError
 from tokenkeep_operator import status as st
 from tokenkeep_operator.apply import apply
 from tokenkeep_operator.kube import Kube, error_message
-from tokenkeep_operator.manifests import engine, redis, session
+from tokenkeep_operator.manifests import engine, podtemplate, redis, session
 from tokenkeep_operator.manifests.common import (
     NETWORK_POLICY_API_VERSION,
     Owner,
@@ -48,6 +48,8 @@ logger = logging.getLogger(__name__)
 # API (a PodDisruptionBudget needs policy/v1, Kubernetes >= 1.21; a NetworkPolicy
 # networking.k8s.io/v1, served since 1.7, but its absence must not keep the engines down).
 OPTIONAL_KINDS = {"PodDisruptionBudget", "NetworkPolicy"}
+# The Event reason naming spec.podTemplate fields the operator's own values override.
+POD_TEMPLATE_CONFLICT = "PodTemplateConflict"
 # How often a SessionServer's status.policy is refreshed from its server's GET /policy (a
 # publish changes no Kubernetes object, so no event would), and how long one ask may take.
 POLICY_POLL_SECONDS = 30.0
@@ -189,6 +191,8 @@ class Reconciler:
         # The last status-write failure reported per resource uid: one Warning per failure
         # state, not one per retry.
         self._write_failures: dict[str, str] = {}
+        # The spec.podTemplate conflicts last reported per resource uid.
+        self._conflicts: dict[str, str] = {}
 
     def _lock(self, kind: str, namespace: str, name: str) -> threading.Lock:
         """One reconcile per resource at a time, so that an older observation never
@@ -245,6 +249,19 @@ class Reconciler:
             f"serve {obj['apiVersion']}"
         )
         self.kube.post_event(body, "Warning", "APINotServed", message)
+
+    def _report_conflicts(self, body: dict[str, Any], conflicts: list[str]) -> None:
+        """One Warning Event per distinct set of spec.podTemplate fields the operator's own
+        values override (per resource and operator start; the rendered pod runs anyway)."""
+        uid = body["metadata"]["uid"]
+        if not conflicts:
+            self._conflicts.pop(uid, None)
+            return
+        message = "; ".join(conflicts)
+        if self._conflicts.get(uid) == message:
+            return
+        self._conflicts[uid] = message
+        self.kube.post_event(body, "Warning", POD_TEMPLATE_CONFLICT, message)
 
     def _delete_network_policy(self, body: dict[str, Any], name: str) -> list[str]:
         """Delete the NetworkPolicy `name` if this resource owns it: turned off, a policy
@@ -330,6 +347,12 @@ class Reconciler:
                 generated = spec.policy.publishing and spec.policy.engine_key_secret_ref is None
                 problem = self._create_key(engine.engine_key_secret(owner)) if generated else None
                 refused = self._apply_all(body, engine.render(owner, spec, self.default_image))
+                self._report_conflicts(
+                    body,
+                    podtemplate.conflicts(
+                        lambda s: engine.render(owner, s, self.default_image), spec
+                    ),
+                )
                 if not spec.network_policy.enabled:
                     refused += self._delete_network_policy(body, engine.deployment_name(name))
                 if problem:
@@ -416,6 +439,13 @@ class Reconciler:
                 generated = spec.api_key_secret_ref is None
                 problem = self._create_key(session.admin_key_secret(owner)) if generated else None
                 refused = self._apply_all(body, objects)
+                self._report_conflicts(
+                    body,
+                    podtemplate.conflicts(
+                        lambda s: session.render(owner, s, ms_name, ms_spec, self.default_image),
+                        spec,
+                    ),
+                )
                 if not spec.network_policy.enabled:
                     refused += self._delete_network_policy(body, redis.statefulset_name(name))
                 if problem:

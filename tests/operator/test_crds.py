@@ -112,8 +112,15 @@ def _modelserver(**spec_changes: Any) -> dict[str, Any]:
 @pytest.mark.parametrize(
     ("changes", "expected"),
     [
-        ({"resources__gpus": 2, "engine__tensorParallelSize": 4}, "multiple of"),
-        ({"resources__gpus": 6, "engine__tensorParallelSize": 4}, "multiple of"),
+        ({"resources__gpus": 2, "engine__tensorParallelSize": 4}, "tensor x pipeline x data"),
+        ({"resources__gpus": 6, "engine__tensorParallelSize": 4}, "tensor x pipeline x data"),
+        ({"resources__gpus": 8}, "set parallelism.data"),
+        ({"parallelism__nodes": 2}, "multi-node engine, which is not built yet"),
+        ({"parallelism__data": 2, "parallelism__dataLocal": 1}, "leave dataLocal unset"),
+        (
+            {"parallelism__tensor": 4, "engine__tensorParallelSize": 2},
+            "remove engine.tensorParallelSize",
+        ),
         ({"model__uri": "s3://bucket/model"}, "hf://ORG/NAME, pvc://CLAIM/PATH or file:///PATH"),
         ({"model__uri": "hf://"}, "hf://ORG/NAME, pvc://CLAIM/PATH or file:///PATH"),
         ({"model__uri": "file://relative/path"}, "file:///PATH"),
@@ -132,7 +139,7 @@ def test_invalid_modelservers_are_rejected(changes: dict[str, Any], expected: st
 
 
 def test_consistent_tensor_parallel_is_accepted() -> None:
-    resource = _modelserver(resources__gpus=8, engine__tensorParallelSize=4)
+    resource = _modelserver(resources__gpus=4, engine__tensorParallelSize=4)
     assert custom_resource_errors(crd("ModelServer"), resource) == []
 
 
@@ -168,8 +175,115 @@ def test_every_error_at_once_in_field_paths_without_pydantic_noise() -> None:
         ModelServerSpec, _modelserver(resources__gpus=3, engine__tensorParallelSize=2)
     )
     assert problems == [
-        "spec.resources.gpus: 3 is not a multiple of spec.engine.tensorParallelSize (2)"
+        "spec.resources.gpus: 3 GPUs per pod, but tensor x pipeline x data = 2 x 1 x 1 = 2; "
+        "set spec.parallelism.tensor: 3 or spec.resources.gpus: 2"
     ], problems
+
+
+@pytest.mark.parametrize(
+    ("changes", "problem"),
+    [
+        # gpus alone used to become pipeline stages; now the user says what they mean.
+        (
+            {"resources__gpus": 8},
+            "spec.resources.gpus: 8 GPUs per pod, but tensor x pipeline x data = 1 x 1 x 1 = 1; "
+            "set spec.parallelism.data: 8 (data-parallel engine ranks) or "
+            "spec.parallelism.tensor: 8 or spec.parallelism.pipeline: 8 (what gpus alone "
+            "rendered before) or spec.resources.gpus: 1",
+        ),
+        # gpus 8 with data 8 and tensor 8 asks for 64 ranks.
+        (
+            {"resources__gpus": 8, "parallelism__data": 8, "parallelism__tensor": 8},
+            "spec.resources.gpus: 8 GPUs per pod, but tensor x pipeline x data = 8 x 1 x 8 = 64; "
+            "set spec.parallelism.data: 1 (data-parallel engine ranks) or "
+            "spec.parallelism.tensor: 1 or spec.resources.gpus: 64",
+        ),
+        (
+            {"resources__gpus": 16, "parallelism__data": 16, "parallelism__nodes": 2},
+            "spec.parallelism.nodes: 2 asks for a multi-node engine, which is not built yet "
+            "(LeaderWorkerSet, issue 35): set parallelism.nodes to 1 and fit the model on one "
+            "node",
+        ),
+        (
+            {"resources__gpus": 4, "parallelism__tensor": 4, "engine__tensorParallelSize": 2},
+            "spec.engine.tensorParallelSize: 2 disagrees with spec.parallelism.tensor (4): "
+            "remove spec.engine.tensorParallelSize (spec.parallelism.tensor replaces it)",
+        ),
+    ],
+)
+def test_impossible_parallel_shapes_are_refused_naming_the_fields_to_change(
+    changes: dict[str, Any], problem: str
+) -> None:
+    """The operator's own check (what an InvalidSpec condition says), and the API server's
+    CEL rules refuse the same resources."""
+    from tokenkeep_operator.reconcile import validate
+
+    resource = _modelserver(**changes)
+    assert validate(ModelServerSpec, resource) == (None, [problem])
+    assert custom_resource_errors(crd("ModelServer"), resource) != []
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"resources__gpus": 8, "parallelism__data": 8, "parallelism__expert": True},
+        {"resources__gpus": 8, "parallelism__tensor": 4, "parallelism__pipeline": 2},
+        {"resources__gpus": 8, "parallelism__tensor": 2, "parallelism__data": 4},
+        {"resources__gpus": 4, "engine__tensorParallelSize": 4},  # the older field
+        {"resources__gpus": 4, "parallelism__tensor": 4, "engine__tensorParallelSize": 4},
+        {"resources__gpus": 0, "parallelism__data": 2},  # a CPU engine: no GPU count
+    ],
+)
+def test_consistent_parallel_shapes_are_accepted(changes: dict[str, Any]) -> None:
+    from tokenkeep_operator.reconcile import validate
+
+    resource = _modelserver(**changes)
+    assert custom_resource_errors(crd("ModelServer"), resource) == []
+    assert validate(ModelServerSpec, resource)[1] == []
+
+
+GPU_EXAMPLES = sorted(p.name for p in (EXAMPLES / "gpu").glob("*.yaml"))
+
+
+def test_gpu_examples_are_the_four_shapes() -> None:
+    assert GPU_EXAMPLES == [
+        "dense-70b-tp4.yaml",
+        "dense-8b.yaml",
+        "moe-dp8-ep.yaml",
+        "moe-two-nodes.yaml",
+    ]
+
+
+@pytest.mark.parametrize("name", [n for n in GPU_EXAMPLES if n != "moe-two-nodes.yaml"])
+def test_gpu_examples_are_accepted(name: str) -> None:
+    resource = yaml.safe_load((EXAMPLES / "gpu" / name).read_text())
+    assert custom_resource_errors(crd(resource["kind"]), resource) == []
+    ModelServerSpec.model_validate(resource["spec"])
+
+
+def test_the_two_node_example_is_refused_with_what_its_comment_says() -> None:
+    """Multi-node engines (LeaderWorkerSet) are not built: the example documents the shape,
+    and the API server and the operator refuse it with the message its header quotes."""
+    from tokenkeep_operator.reconcile import validate
+
+    text = (EXAMPLES / "gpu" / "moe-two-nodes.yaml").read_text()
+    resource = yaml.safe_load(text)
+    assert custom_resource_errors(crd("ModelServer"), resource) == [
+        ".spec.parallelism.nodes: nodes > 1 asks for a multi-node engine, which is not built "
+        "yet (LeaderWorkerSet, issue 35): set parallelism.nodes to 1 and fit the model on one "
+        "node"
+    ]
+    _, problems = validate(ModelServerSpec, resource)
+    (problem,) = problems
+    header = " ".join(
+        line.removeprefix("#").strip() for line in text.splitlines() if line.startswith("#   ")
+    )
+    assert problem == header
+    # Everything but nodes is already a valid shape: 16 ranks, 8 per pod, 8 GPUs per pod.
+    resource["spec"]["parallelism"]["nodes"] = 1
+    resource["spec"]["parallelism"]["data"] = 8
+    del resource["spec"]["parallelism"]["dataLocal"]
+    assert custom_resource_errors(crd("ModelServer"), resource) == []
 
 
 def test_every_field_has_a_description() -> None:

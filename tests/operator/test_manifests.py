@@ -46,10 +46,8 @@ def pvc_modelserver() -> dict[str, Any]:
             "model": {"uri": "pvc://weights/qwen3/8b", "servedName": "qwen3-8b"},
             "cache": {"enabled": False},
             "resources": {"gpus": 2},
-            "engine": {
-                "tensorParallelSize": 1,
-                "env": [{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}],
-            },
+            "parallelism": {"pipeline": 2},
+            "engine": {"env": [{"name": "VLLM_LOGGING_LEVEL", "value": "DEBUG"}]},
             "scheduling": {"nodeSelector": {"gpu": "h100"}, "priorityClassName": "rl"},
             "policy": {
                 "engineKeySecretRef": {"name": "trainer-keys", "key": "engine"},
@@ -76,6 +74,39 @@ def external_sessionserver() -> dict[str, Any]:
     }
 
 
+def pod_template_modelserver() -> dict[str, Any]:
+    """The 8B example with a pod template of everything a GPU cluster asks for, and two
+    fields the operator sets itself (the engine's args and its GPU limit)."""
+    resource = load_example("gpu/dense-8b.yaml")
+    resource["spec"]["podTemplate"] = {
+        "metadata": {
+            "labels": {"team": "rl", "app.kubernetes.io/name": "mine"},
+            "annotations": {"prometheus.io/scrape": "true"},
+        },
+        "spec": {
+            "runtimeClassName": "nvidia",
+            "imagePullSecrets": [{"name": "registry-creds"}],
+            "securityContext": {"fsGroup": 1000},
+            "tolerations": [{"key": "rdma", "operator": "Exists", "effect": "NoSchedule"}],
+            "volumes": [{"name": "datasets", "persistentVolumeClaim": {"claimName": "data"}}],
+            "containers": [
+                {
+                    "name": "vllm",
+                    "args": ["--model", "other"],
+                    "volumeMounts": [{"name": "datasets", "mountPath": "/data"}],
+                    "resources": {
+                        "requests": {"rdma/ib": "1"},
+                        "limits": {"rdma/ib": "1", "nvidia.com/gpu": "2"},
+                    },
+                    "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}},
+                },
+                {"name": "sidecar", "image": "busybox:1.36", "command": ["sleep", "inf"]},
+            ],
+        },
+    }
+    return resource
+
+
 SCENARIOS = {
     "modelserver-qwen3-8b": lambda: render_modelserver(load_example("modelserver-qwen3-8b.yaml")),
     "modelserver-llama-70b-tp4": lambda: render_modelserver(
@@ -92,6 +123,10 @@ SCENARIOS = {
     "sessionserver-cpu": lambda: render_sessionserver(
         load_example("cpu/sessionserver.yaml"), load_example("cpu/modelserver.yaml")
     ),
+    "gpu-dense-8b": lambda: render_modelserver(load_example("gpu/dense-8b.yaml")),
+    "gpu-dense-70b-tp4": lambda: render_modelserver(load_example("gpu/dense-70b-tp4.yaml")),
+    "gpu-moe-dp8-ep": lambda: render_modelserver(load_example("gpu/moe-dp8-ep.yaml")),
+    "modelserver-pod-template": lambda: render_modelserver(pod_template_modelserver()),
 }
 
 
@@ -177,13 +212,203 @@ def test_vllm_runs_with_token_endpoints_parsers_and_consistent_gpus() -> None:
     assert shm["emptyDir"] == {"medium": "Memory", "sizeLimit": "16Gi"}
 
 
-def test_gpus_beyond_tensor_parallel_become_pipeline_stages() -> None:
-    args = render_modelserver(pvc_modelserver())[-1]["spec"]["template"]["spec"]["containers"][0][
-        "args"
+def _engine(resource: dict[str, Any]) -> dict[str, Any]:
+    """The vLLM container of a rendered ModelServer."""
+    deployment = next(o for o in render_modelserver(resource) if o["kind"] == "Deployment")
+    return deployment["spec"]["template"]["spec"]["containers"][0]
+
+
+def _parallel_flags(args: list[str]) -> dict[str, str | bool]:
+    flags: dict[str, str | bool] = {}
+    for flag in (
+        "--tensor-parallel-size",
+        "--pipeline-parallel-size",
+        "--data-parallel-size",
+        "--data-parallel-size-local",
+    ):
+        if flag in args:
+            flags[flag] = _flag(args, flag)
+    if "--enable-expert-parallel" in args:
+        flags["--enable-expert-parallel"] = True
+    return flags
+
+
+def test_pipeline_parallel_is_rendered_only_when_asked_for() -> None:
+    container = _engine(pvc_modelserver())  # gpus 2, parallelism.pipeline 2
+    assert _parallel_flags(container["args"]) == {
+        "--tensor-parallel-size": "1",
+        "--pipeline-parallel-size": "2",
+    }
+    assert container["args"][0] == "/models/qwen3/8b"
+
+
+@pytest.mark.parametrize(
+    ("example", "gpus", "flags"),
+    [
+        ("gpu/dense-8b.yaml", "1", {"--tensor-parallel-size": "1"}),
+        ("gpu/dense-70b-tp4.yaml", "4", {"--tensor-parallel-size": "4"}),
+        (
+            "gpu/moe-dp8-ep.yaml",
+            "8",
+            {
+                "--tensor-parallel-size": "1",
+                "--data-parallel-size": "8",
+                "--enable-expert-parallel": True,
+            },
+        ),
+    ],
+)
+def test_gpu_examples_render_their_parallelism_as_vllm_flags(
+    example: str, gpus: str, flags: dict[str, Any]
+) -> None:
+    container = _engine(load_example(example))
+    assert _parallel_flags(container["args"]) == flags
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == gpus
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == gpus
+
+
+def test_gpu_examples_cache_works_on_read_write_once_default_storage() -> None:
+    for name in ("dense-8b", "dense-70b-tp4", "moe-dp8-ep"):
+        objects = render_modelserver(load_example(f"gpu/{name}.yaml"))
+        (claim,) = [o for o in objects if o["kind"] == "PersistentVolumeClaim"]
+        assert claim["spec"]["accessModes"] == ["ReadWriteOnce"], name
+        assert "storageClassName" not in claim["spec"], name  # the cluster's default class
+
+
+def test_the_older_tensor_parallel_field_still_works_and_the_new_one_wins() -> None:
+    resource = load_example("modelserver-qwen3-8b.yaml")
+    resource["spec"]["resources"]["gpus"] = 2
+    resource["spec"]["engine"]["tensorParallelSize"] = 2
+    assert _parallel_flags(_engine(resource)["args"]) == {"--tensor-parallel-size": "2"}
+    # parallelism.tensor wins over the stored default of engine.tensorParallelSize (1).
+    resource["spec"]["engine"]["tensorParallelSize"] = 1
+    resource["spec"]["parallelism"] = {"tensor": 2}
+    assert _parallel_flags(_engine(resource)["args"]) == {"--tensor-parallel-size": "2"}
+
+
+def test_data_parallel_is_one_flag_and_never_pipeline_stages() -> None:
+    """What a user did before (gpus 8 + extraArgs --data-parallel-size 8) rendered 64 ranks
+    on 8 GPUs; now gpus 8 without parallelism is refused (see test_crds), and with
+    parallelism.data: 8 the flag appears once."""
+    resource = load_example("modelserver-qwen3-8b.yaml")
+    resource["spec"]["resources"]["gpus"] = 8
+    resource["spec"]["parallelism"] = {"data": 8}
+    args = _engine(resource)["args"]
+    assert args.count("--data-parallel-size") == 1
+    assert "--pipeline-parallel-size" not in args
+
+
+# --- spec.podTemplate -------------------------------------------------------------------
+
+
+def test_pod_template_adds_what_gpu_clusters_need_to_the_engine_pod() -> None:
+    deployment = next(
+        o for o in render_modelserver(pod_template_modelserver()) if o["kind"] == "Deployment"
+    )
+    template = deployment["spec"]["template"]
+    pod = template["spec"]
+    assert pod["runtimeClassName"] == "nvidia"
+    assert pod["imagePullSecrets"] == [{"name": "registry-creds"}]
+    assert pod["securityContext"] == {"fsGroup": 1000}
+    assert {"key": "rdma", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    # The example's own toleration stays beside it.
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
+        "tolerations"
     ]
-    assert _flag(args, "--tensor-parallel-size") == "1"
-    assert _flag(args, "--pipeline-parallel-size") == "2"
-    assert args[0] == "/models/qwen3/8b"
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["datasets"] == {
+        "name": "datasets",
+        "persistentVolumeClaim": {"claimName": "data"},
+    }
+    assert {"cache", "shm", "extension"} <= volumes.keys()
+    vllm, sidecar = pod["containers"]
+    assert vllm["name"] == "vllm" and sidecar["name"] == "sidecar"
+    assert {"name": "datasets", "mountPath": "/data"} in vllm["volumeMounts"]
+    assert {"name": "cache", "mountPath": "/cache"} in vllm["volumeMounts"]
+    assert vllm["securityContext"] == {"capabilities": {"add": ["IPC_LOCK"]}}
+    # Extra resources are added; the operator's GPU count and its vLLM command line win.
+    assert vllm["resources"]["limits"] == {"nvidia.com/gpu": "1", "rdma/ib": "1", "memory": "64Gi"}
+    assert vllm["resources"]["requests"]["rdma/ib"] == "1"
+    assert vllm["args"][0] == "Qwen/Qwen3-8B" and "other" not in vllm["args"]
+    labels = template["metadata"]["labels"]
+    assert labels["team"] == "rl" and labels["app.kubernetes.io/name"] == "vllm"
+    assert template["metadata"]["annotations"] == {"prometheus.io/scrape": "true"}
+    # The Services and the Deployment still select the pods.
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    validate_builtin(deployment)
+
+
+def test_pod_template_conflicts_name_each_overridden_field() -> None:
+    from tokenkeep_operator.manifests import podtemplate
+
+    resource = pod_template_modelserver()
+    spec = ModelServerSpec.model_validate(resource["spec"])
+    owner = owner_of(resource)
+    conflicts = podtemplate.conflicts(lambda s: engine.render(owner, s, IMAGE), spec)
+    assert [c.split(": ")[0] for c in conflicts] == [
+        "spec.podTemplate.metadata.labels.app.kubernetes.io/name",
+        "spec.podTemplate.spec.containers[name=vllm].args",
+        "spec.podTemplate.spec.containers[name=vllm].resources.limits.nvidia.com/gpu",
+    ]
+    assert conflicts[0].endswith(": 'mine' ignored, the operator sets 'vllm'")
+    assert (
+        conflicts[1]
+        .split(": ", 1)[1]
+        .startswith("['--model', 'other'] ignored, the operator sets ['Qwen/Qwen3-8B', ")
+    )
+    assert conflicts[2].endswith(": '2' ignored, the operator sets '1'")
+    # Without conflicting fields nothing is reported; without a pod template neither.
+    del resource["spec"]["podTemplate"]["spec"]["containers"][0]["args"]
+    del resource["spec"]["podTemplate"]["spec"]["containers"][0]["resources"]["limits"][
+        "nvidia.com/gpu"
+    ]
+    del resource["spec"]["podTemplate"]["metadata"]["labels"]["app.kubernetes.io/name"]
+    spec = ModelServerSpec.model_validate(resource["spec"])
+    assert podtemplate.conflicts(lambda s: engine.render(owner, s, IMAGE), spec) == []
+
+
+def test_a_pod_template_volume_named_like_the_operators_keeps_the_operators() -> None:
+    resource = load_example("gpu/dense-8b.yaml")
+    resource["spec"]["podTemplate"] = {
+        "spec": {
+            "volumes": [{"name": "cache", "emptyDir": {}}],
+            "containers": [{"name": "vllm", "env": [{"name": "HF_HOME", "value": "/elsewhere"}]}],
+        }
+    }
+    pod = _engine_pod(render_modelserver(resource))
+    (cache,) = [v for v in pod["volumes"] if v["name"] == "cache"]
+    assert cache == {
+        "name": "cache",
+        "persistentVolumeClaim": {"claimName": "qwen3-8b-model-cache"},
+    }
+    assert _env(pod["containers"][0])["HF_HOME"] == "/cache/huggingface"
+
+
+def test_pod_template_reaches_the_session_server_pods_not_redis() -> None:
+    resource = load_example("sessionserver.yaml")
+    resource["spec"]["podTemplate"] = {
+        "metadata": {"annotations": {"sidecar.istio.io/inject": "false"}},
+        "spec": {
+            "imagePullSecrets": [{"name": "registry-creds"}],
+            "securityContext": {"runAsUser": 0, "fsGroup": 10001},
+            "containers": [{"name": "session-server", "resources": {"limits": {"cpu": "4"}}}],
+        },
+    }
+    objects = render_sessionserver(resource, load_example("modelserver-qwen3-8b.yaml"))
+    deployment = next(o for o in objects if o["kind"] == "Deployment")
+    template = deployment["spec"]["template"]
+    assert template["metadata"]["annotations"]["sidecar.istio.io/inject"] == "false"
+    assert "tokenkeep.dev/config-hash" in template["metadata"]["annotations"]
+    pod = template["spec"]
+    assert pod["imagePullSecrets"] == [{"name": "registry-creds"}]
+    # The image's non-root user stays; fsGroup is added.
+    assert pod["securityContext"]["runAsUser"] == 10001
+    assert pod["securityContext"]["fsGroup"] == 10001
+    (container,) = pod["containers"]
+    assert container["resources"]["limits"] == {"memory": "4Gi", "cpu": "4"}
+    validate_builtin(deployment)
+    redis_pod = next(o for o in objects if o["kind"] == "StatefulSet")["spec"]["template"]
+    assert "registry-creds" not in str(redis_pod)
 
 
 def test_slow_loads_survive_and_drains_finish_within_the_grace_period() -> None:
@@ -643,3 +868,21 @@ def test_the_checkpoint_claim_is_read_only_at_one_path_in_engines_and_session_se
     # Without the field, neither kind of pod mounts anything of the sort.
     for objects in _cpu_pair():
         assert "rl-checkpoints" not in str(objects) and expected not in str(objects)
+
+
+def test_a_pod_template_conflict_is_one_warning_event_per_change() -> None:
+    """The reconciler reports what the operator overrode once, not on every reconcile, and
+    again when the set of conflicts changes."""
+    from tests.operator.test_status import FakeKube
+    from tokenkeep_operator.reconcile import POD_TEMPLATE_CONFLICT, Reconciler
+
+    kube = FakeKube(None)
+    reconciler = Reconciler(kube, IMAGE)  # type: ignore[arg-type]
+    body = {"kind": "ModelServer", "metadata": {"name": "m", "namespace": "rl", "uid": "u"}}
+    conflict = "spec.podTemplate.spec.enableServiceLinks: True ignored, the operator sets False"
+    reconciler._report_conflicts(body, [conflict])
+    reconciler._report_conflicts(body, [conflict])
+    assert kube.events == [("Warning", POD_TEMPLATE_CONFLICT, conflict)]
+    reconciler._report_conflicts(body, [])  # fixed
+    reconciler._report_conflicts(body, [conflict])  # and back
+    assert len(kube.events) == 2

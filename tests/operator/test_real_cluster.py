@@ -417,6 +417,71 @@ def test_invalid_specs_are_reported_in_field_paths(
     assert [e[:2] for e in events(admin, ns, "qwen3-8b")] == [("Warning", "InvalidSpec")]
 
 
+def test_a_multi_node_engine_is_refused_until_it_is_built(
+    admin: Api, ns: str, operator: OperatorProcess
+) -> None:
+    """examples/gpu/moe-two-nodes.yaml on an API server without CEL: stored, then refused by
+    the operator with the message the example's header quotes; nothing is deployed."""
+    create_example(admin, ns, "gpu/moe-two-nodes.yaml")
+    ms = eventually(
+        lambda: (
+            (m := admin.get(ms_path(ns, "deepseek-v3-2n")))
+            and condition_of(m, "Ready")["reason"] == "InvalidSpec"
+            and m
+        )
+    )
+    message = condition_of(ms, "Degraded")["message"]
+    assert message.startswith("spec.parallelism.nodes: 2 asks for a multi-node engine"), message
+    assert children(admin, ns) == {}
+
+
+def test_a_pod_template_reaches_the_engine_pods_and_its_conflicts_are_one_warning(
+    admin: Api, ns: str, operator: OperatorProcess
+) -> None:
+    """The merged Deployment is accepted by a real API server; the field the operator
+    overrides (the GPU limit) is named in a PodTemplateConflict Warning."""
+    create_example(
+        admin,
+        ns,
+        "gpu/dense-8b.yaml",
+        podTemplate={
+            "metadata": {"annotations": {"example.com/team": "rl"}},
+            "spec": {
+                "imagePullSecrets": [{"name": "registry-creds"}],
+                "volumes": [{"name": "datasets", "emptyDir": {}}],
+                "containers": [
+                    {
+                        "name": "vllm",
+                        "volumeMounts": [{"name": "datasets", "mountPath": "/data"}],
+                        "resources": {"limits": {"nvidia.com/gpu": "2"}},
+                        "securityContext": {"capabilities": {"add": ["IPC_LOCK"]}},
+                    }
+                ],
+            },
+        },
+    )
+    engine_deployment = eventually(lambda: deployment(admin, ns, "qwen3-8b-engine"))
+    template = engine_deployment["spec"]["template"]
+    assert template["metadata"]["annotations"] == {"example.com/team": "rl"}
+    pod = template["spec"]
+    assert pod["imagePullSecrets"] == [{"name": "registry-creds"}]
+    (vllm,) = pod["containers"]
+    assert {"name": "datasets", "mountPath": "/data"} in vllm["volumeMounts"]
+    assert vllm["securityContext"]["capabilities"] == {"add": ["IPC_LOCK"]}
+    assert vllm["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    warnings = eventually(
+        lambda: [e for e in events(admin, ns, "qwen3-8b") if e[1] == "PodTemplateConflict"]
+    )
+    assert warnings == [
+        (
+            "Warning",
+            "PodTemplateConflict",
+            "spec.podTemplate.spec.containers[name=vllm].resources.limits.nvidia.com/gpu: "
+            "'2' ignored, the operator sets '1'",
+        )
+    ]
+
+
 def test_a_failed_status_write_is_an_event_and_retried(
     cluster: Cluster, admin: Api, ns: str, operator: OperatorProcess
 ) -> None:

@@ -40,6 +40,7 @@ for command in json.load(sys.stdin):
         continue
     parsed.append({key: getattr(args, key) for key in (
         "enable_scale_out", "tensor_parallel_size", "pipeline_parallel_size",
+        "data_parallel_size", "data_parallel_size_local", "enable_expert_parallel",
         "tool_call_parser", "enable_auto_tool_choice", "reasoning_parser",
         "middleware", "worker_extension_cls")})
 print(json.dumps({
@@ -50,14 +51,17 @@ print(json.dumps({
 """
 
 
-def _engine_commands() -> list[list[str]]:
-    commands = []
+def _engine_containers() -> list[dict[str, Any]]:
+    containers = []
     for render in SCENARIOS.values():
         for obj in render():
             if obj["kind"] == "Deployment" and obj["metadata"]["name"].endswith("-engine"):
-                container = obj["spec"]["template"]["spec"]["containers"][0]
-                commands.append(container["command"] + container["args"])
-    return commands
+                containers.append(obj["spec"]["template"]["spec"]["containers"][0])
+    return containers
+
+
+def _engine_commands() -> list[list[str]]:
+    return [c["command"] + c["args"] for c in _engine_containers()]
 
 
 MALFORMED = ["vllm", "serve", "m", "--no-such-flag"]
@@ -79,17 +83,37 @@ def _parse_with_vllm(commands: list[list[str]]) -> dict[str, Any]:
 
 def test_vllm_accepts_the_rendered_command_lines() -> None:
     skip_if_asked()
+    containers = _engine_containers()
     commands = _engine_commands()
-    assert len(commands) == 4  # examples/ (GPU), a pvc:// model, examples/cpu/
+    # examples/ (GPU), a pvc:// model, examples/cpu/, examples/gpu/, a pod template
+    assert len(commands) == 8
     assert all(command[:2] == ["vllm", "serve"] for command in commands)
     # One malformed line alongside shows the check can fail (vLLM refuses unknown flags).
     result = _parse_with_vllm([*commands, MALFORMED])
     *parsed, malformed = result["parsed"]
     assert "--no-such-flag" in malformed["error"]
-    for command, args in zip(commands, parsed, strict=True):
+    shapes = set()
+    for command, args, container in zip(commands, parsed, containers, strict=True):
         assert "error" not in args, f"vllm serve rejected {command}: {args['error']}"
         assert args["enable_scale_out"]
-        assert args["tensor_parallel_size"] * args["pipeline_parallel_size"] >= 1
+        # vLLM's world: tensor x pipeline GPUs per data-parallel rank, every GPU of the pod.
+        ranks = (
+            args["tensor_parallel_size"]
+            * args["pipeline_parallel_size"]
+            * args["data_parallel_size"]
+        )
+        gpus = int(container["resources"]["limits"].get("nvidia.com/gpu", "0"))
+        assert ranks == gpus or gpus == 0, (command, gpus)
+        # One node: vLLM infers the local ranks (dataLocal is for multi-node engines).
+        assert args["data_parallel_size_local"] is None
+        shapes.add(
+            (
+                args["tensor_parallel_size"],
+                args["pipeline_parallel_size"],
+                args["data_parallel_size"],
+                args["enable_expert_parallel"],
+            )
+        )
         if args["tool_call_parser"]:
             assert args["enable_auto_tool_choice"]
             assert args["tool_call_parser"] in result["tool_parsers"]
@@ -98,6 +122,29 @@ def test_vllm_accepts_the_rendered_command_lines() -> None:
         # Publishing is on by default: the key middleware and the exact reload.
         assert args["middleware"] == [localengine.KEY_MIDDLEWARE]
         assert args["worker_extension_cls"] == localengine.WORKER_EXTENSION
+    # The shapes vLLM read: tensor 4 (70B), pipeline 2 (pvc://), data 8 + expert (MoE).
+    assert {(4, 1, 1, False), (1, 2, 1, False), (1, 1, 8, True)} <= shapes
+
+
+def test_vllm_knows_the_multi_node_flags_parallelism_nodes_will_need() -> None:
+    """Multi-node engines are not rendered yet (parallelism.nodes must be 1); the flags the
+    LeaderWorkerSet engine will pass exist in this vLLM (0.32) and mean what the design
+    assumes: 16 data-parallel ranks, 8 on this node, starting at rank 8, a headless worker."""
+    skip_if_asked()
+    worker = [
+        "vllm", "serve", "m",
+        "--data-parallel-size", "16",
+        "--data-parallel-size-local", "8",
+        "--data-parallel-start-rank", "8",
+        "--data-parallel-address", "leader.example",
+        "--data-parallel-rpc-port", "13345",
+        "--enable-expert-parallel",
+        "--headless",
+    ]  # fmt: skip
+    (args,) = _parse_with_vllm([worker])["parsed"]
+    assert "error" not in args, args
+    assert (args["data_parallel_size"], args["data_parallel_size_local"]) == (16, 8)
+    assert args["enable_expert_parallel"] is True
 
 
 def test_the_engines_python_imports_what_the_pod_names_from_its_pythonpath(

@@ -26,6 +26,7 @@ from tokenkeep_operator.manifests.common import (
     selector_labels,
     service_account,
 )
+from tokenkeep_operator.manifests.podtemplate import merge_pod
 from tokenkeep_operator.models import ModelServerSpec, SecretKeyRef
 
 APP = "vllm"
@@ -128,6 +129,23 @@ def _model_location(spec: ModelServerSpec) -> tuple[str, dict[str, Any] | None]:
     return f"{MODEL_PATH}/{path}".rstrip("/"), volume
 
 
+def parallel_args(spec: ModelServerSpec) -> list[str]:
+    """vLLM's own parallelism flags, exactly as `spec.parallelism` says (validation has
+    checked that they account for every GPU of the pod). One node only: the multi-node
+    address and rank flags (--data-parallel-size-local, --data-parallel-address,
+    --data-parallel-rpc-port, --data-parallel-start-rank, --headless) belong to the
+    LeaderWorkerSet engine, which is not built."""
+    par = spec.parallelism
+    args = ["--tensor-parallel-size", str(spec.tensor_parallel_size)]
+    if par.pipeline > 1:
+        args += ["--pipeline-parallel-size", str(par.pipeline)]
+    if par.data > 1:
+        args += ["--data-parallel-size", str(par.data)]
+    if par.expert:
+        args.append("--enable-expert-parallel")
+    return args
+
+
 def vllm_args(owner_name: str, spec: ModelServerSpec) -> list[str]:
     model, _ = _model_location(spec)
     engine = spec.engine
@@ -136,10 +154,8 @@ def vllm_args(owner_name: str, spec: ModelServerSpec) -> list[str]:
         "--host", "0.0.0.0",
         "--port", str(PORT),
         "--served-model-name", served_model_name(owner_name, spec),
-        "--tensor-parallel-size", str(engine.tensor_parallel_size),
     ]  # fmt: skip
-    if spec.pipeline_parallel_size > 1:
-        args += ["--pipeline-parallel-size", str(spec.pipeline_parallel_size)]
+    args += parallel_args(spec)
     if spec.resources.gpus:
         args += ["--gpu-memory-utilization", str(engine.gpu_memory_utilization)]
     if engine.max_model_len:
@@ -273,11 +289,34 @@ def extension_copy(tokenkeep_image: str) -> dict[str, Any]:
     }
 
 
-def deployment(owner: Owner, spec: ModelServerSpec, tokenkeep_image: str) -> dict[str, Any]:
-    object_labels = labels(owner, APP, COMPONENT)
+def pod_template(
+    owner: Owner, spec: ModelServerSpec, tokenkeep_image: str
+) -> tuple[dict[str, Any], list[str]]:
+    """The engine pod template with `spec.podTemplate` merged in, and the fields of
+    `spec.podTemplate` the operator's own values overrode (see `podtemplate`)."""
     pod_extra = (
         {"initContainers": [extension_copy(tokenkeep_image)]} if spec.policy.publishing else {}
     )
+    rendered = {
+        "metadata": {"labels": dict(labels(owner, APP, COMPONENT))},
+        "spec": {
+            "serviceAccountName": deployment_name(owner.name),
+            "automountServiceAccountToken": False,
+            # Service links would inject VLLM_PORT-style variables that vLLM reads.
+            "enableServiceLinks": False,
+            "terminationGracePeriodSeconds": grace_period_seconds(spec),
+            **pod_extra,
+            "containers": [_container(owner, spec)],
+            "volumes": _volumes(owner, spec),
+            **scheduling_fields(spec.scheduling),
+        },
+    }
+    return merge_pod(rendered, spec.pod_template)
+
+
+def deployment(owner: Owner, spec: ModelServerSpec, tokenkeep_image: str) -> dict[str, Any]:
+    object_labels = labels(owner, APP, COMPONENT)
+    template, _ = pod_template(owner, spec, tokenkeep_image)
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -297,20 +336,7 @@ def deployment(owner: Owner, spec: ModelServerSpec, tokenkeep_image: str) -> dic
             },
             "progressDeadlineSeconds": spec.startup_timeout_seconds + 600,
             "revisionHistoryLimit": 5,
-            "template": {
-                "metadata": {"labels": dict(object_labels)},
-                "spec": {
-                    "serviceAccountName": deployment_name(owner.name),
-                    "automountServiceAccountToken": False,
-                    # Service links would inject VLLM_PORT-style variables that vLLM reads.
-                    "enableServiceLinks": False,
-                    "terminationGracePeriodSeconds": grace_period_seconds(spec),
-                    **pod_extra,
-                    "containers": [_container(owner, spec)],
-                    "volumes": _volumes(owner, spec),
-                    **scheduling_fields(spec.scheduling),
-                },
-            },
+            "template": template,
         },
     }
 

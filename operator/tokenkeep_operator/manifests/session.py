@@ -25,6 +25,7 @@ from tokenkeep_operator.manifests.common import (
     selector_labels,
     service_account,
 )
+from tokenkeep_operator.manifests.podtemplate import merge_pod
 from tokenkeep_operator.models import ModelServerSpec, SecretKeyRef, SessionServerSpec
 
 APP = "tokenkeep"
@@ -223,6 +224,37 @@ def deployment(
         volumes.append(checkpoints[0])
         container["volumeMounts"].append(checkpoints[1])
     pod_extra = {"initContainers": init_containers} if init_containers else {}
+    template, _ = merge_pod(
+        {
+            "metadata": {
+                # What the ModelServer's NetworkPolicy admits to the engines.
+                "labels": object_labels | {USES_MODEL_SERVER_LABEL: model_server_name},
+                # A changed ConfigMap rolls the pods, which read it only at start-up.
+                "annotations": {CONFIG_HASH_ANNOTATION: config_hash},
+            },
+            "spec": {
+                "serviceAccountName": deployment_name(owner.name),
+                "automountServiceAccountToken": False,
+                "enableServiceLinks": False,
+                # preStop sleep (endpoints drop the pod), then SIGTERM: the server drains
+                # for up to shutdownGraceSeconds, then its own shutdown takes <= 5 s.
+                "terminationGracePeriodSeconds": ENDPOINT_PROPAGATION_SECONDS
+                + spec.shutdown_grace_seconds
+                + SHUTDOWN_MARGIN_SECONDS,
+                "securityContext": {
+                    "runAsNonRoot": True,
+                    "runAsUser": TOKENKEEP_UID,
+                    "runAsGroup": TOKENKEEP_UID,
+                    "seccompProfile": {"type": "RuntimeDefault"},
+                },
+                **pod_extra,
+                "containers": [container],
+                "volumes": volumes,
+                **scheduling_fields(spec.scheduling),
+            },
+        },
+        spec.pod_template,
+    )
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -239,34 +271,7 @@ def deployment(
                 "type": "RollingUpdate",
                 "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
             },
-            "template": {
-                "metadata": {
-                    # What the ModelServer's NetworkPolicy admits to the engines.
-                    "labels": object_labels | {USES_MODEL_SERVER_LABEL: model_server_name},
-                    # A changed ConfigMap rolls the pods, which read it only at start-up.
-                    "annotations": {CONFIG_HASH_ANNOTATION: config_hash},
-                },
-                "spec": {
-                    "serviceAccountName": deployment_name(owner.name),
-                    "automountServiceAccountToken": False,
-                    "enableServiceLinks": False,
-                    # preStop sleep (endpoints drop the pod), then SIGTERM: the server drains
-                    # for up to shutdownGraceSeconds, then its own shutdown takes <= 5 s.
-                    "terminationGracePeriodSeconds": ENDPOINT_PROPAGATION_SECONDS
-                    + spec.shutdown_grace_seconds
-                    + SHUTDOWN_MARGIN_SECONDS,
-                    "securityContext": {
-                        "runAsNonRoot": True,
-                        "runAsUser": TOKENKEEP_UID,
-                        "runAsGroup": TOKENKEEP_UID,
-                        "seccompProfile": {"type": "RuntimeDefault"},
-                    },
-                    **pod_extra,
-                    "containers": [container],
-                    "volumes": volumes,
-                    **scheduling_fields(spec.scheduling),
-                },
-            },
+            "template": template,
         },
     }
 
