@@ -154,9 +154,10 @@ class EngineClient:
         # asks for it on every path but /health (session_server/vllm_extension.py).
         auth = {"authorization": f"Bearer {engine_key}"} if engine_key else {}
         self._lean_headers = {**_LEAN_HEADERS, **auth}
-        self.on_replica_appeared: list[Callable[[Replica], None]] = []
-        """Called with each replica discovery adds or a health check finds back up (the
-        policy fences it until it is known to serve the published version)."""
+        self.on_replica_unverified: list[Callable[[Replica], None]] = []
+        """Called with each replica whose weights may have changed behind tokenkeep's back:
+        added by discovery, or marked down (it may come back restarted). The policy fences
+        it until it is known to serve the published version."""
         self.published_version: str | None = None
         """The policy version published through tokenkeep (None: none)."""
         self.accepts_version: Callable[[str], bool] | None = None
@@ -258,8 +259,8 @@ class EngineClient:
             healthy = False
         if healthy != replica.healthy:
             logger.warning("engine %s is now %s", replica.url, "up" if healthy else "down")
-            if healthy:
-                self._appeared(replica)  # maybe restarted: on which weights?
+            if not healthy:
+                self._unverified(replica)  # it may come back restarted: on which weights?
         replica.healthy = healthy
         if healthy:
             replica.failures = 0
@@ -313,10 +314,10 @@ class EngineClient:
             added = [replica for url, replica in found.items() if url not in self._replicas]
             self._replicas = found
             for replica in added:
-                self._appeared(replica)
+                self._unverified(replica)
 
-    def _appeared(self, replica: Replica) -> None:
-        for hook in self.on_replica_appeared:
+    def _unverified(self, replica: Replica) -> None:
+        for hook in self.on_replica_unverified:
             hook(replica)
 
     @property
@@ -381,6 +382,7 @@ class EngineClient:
                 reason,
             )
             replica.healthy = False
+            self._unverified(replica)
 
     # --- requests -------------------------------------------------------------------------
 

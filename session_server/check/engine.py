@@ -27,7 +27,7 @@ class ScriptedEngine:
     def __init__(self) -> None:
         self.prompts: list[list[int]] = []
         self._queue: deque[Completion] = deque()
-        self.on_replica_appeared: list[Callable[[Any], None]] = []
+        self.on_replica_unverified: list[Callable[[Any], None]] = []
         self.published_version: str | None = None
         self.accepts_version: Callable[[str], bool] | None = None
 

@@ -128,7 +128,7 @@ class PolicyFleet:
         self.replicas: dict[str, ReplicaPolicy] = {}
         self._task: asyncio.Task[None] | None = None
         self._publishing = False
-        engine.on_replica_appeared.append(self._appeared)
+        engine.on_replica_unverified.append(self._unverified)
 
     # --- lifecycle --------------------------------------------------------------------------
 
@@ -160,7 +160,7 @@ class PolicyFleet:
     def _state(self, url: str) -> ReplicaPolicy:
         return self.replicas.setdefault(url, ReplicaPolicy())
 
-    def _appeared(self, replica: Replica) -> None:
+    def _unverified(self, replica: Replica) -> None:
         if self.published is not None:
             replica.fenced = "new: not yet checked against the published policy"
             state = self._state(replica.url)
