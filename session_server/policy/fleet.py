@@ -19,7 +19,7 @@ gets a turn again.
 Following (every server, every health round): a replica whose `/weight_info` version is not
 the published one is fenced ("behind") and, for a folder source, caught up; a replica at the
 published version whose checksum differs from the publish's is fenced ("checksum"); a replica
-that appears or comes back is fenced ("new") until it has been checked. The engine client
+that appears or is marked down is fenced ("new") until it has been checked. The engine client
 also refuses a generation stamped with a version older than the published one, so a replica
 restarted between two health rounds cannot slip a turn of the base weights in.
 """
