@@ -1,7 +1,12 @@
 """The path every user takes, on a real node: `helm install`, `kubectl apply -f examples/cpu/`,
 then a harness (the openai SDK) through the SessionServer's Service, to vLLM CPU engine pods;
 then what happens to a running stack: an engine pod replaced, the ModelServer scaled to two,
+a trainer Job publishing a policy to both replicas (and a replaced replica caught up to it),
 `helm upgrade`, faults an admin must fix, and the uninstall.
+
+The ModelServer is examples/cpu/modelserver.yaml with one addition, `spec.policy.checkpoints`
+naming a claim of the default StorageClass (what a trainer writes and the engines reload from):
+set from the start, so that no later step rolls the engine pods to add it.
 
 The tests share one stack (module fixture) and run in file order; each drives its own sessions.
 What this node cannot show: GPU scheduling (the examples/cpu ModelServer asks for no GPU).
@@ -12,6 +17,7 @@ from __future__ import annotations
 import base64
 import itertools
 import json
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -35,10 +41,28 @@ NS = "rl"
 EXAMPLES = REPO_ROOT / "examples" / "cpu"
 ENGINE_PODS = "app.kubernetes.io/name=vllm,app.kubernetes.io/instance=tiny-qwen3"
 SESSION_PODS = "app.kubernetes.io/name=tokenkeep,app.kubernetes.io/instance=rollouts"
+CHECKPOINTS = "checkpoints"
 OPERATOR_PODS = f"app.kubernetes.io/instance={RELEASE}"
 # Two tool calls then an answer: grammar-constrained, as `tokenkeep demo` does, because the
 # engine's weights are random.
 SCRIPT = (("What is the weather in Paris?", "Paris"), (None, "Tokyo"), (None, None))
+
+
+def model_server_manifests() -> str:
+    """examples/cpu/modelserver.yaml with `spec.policy.checkpoints` naming a claim, and the
+    claim: ReadWriteOnce is enough on one node (pods on several nodes need ReadWriteMany). On
+    this node the default StorageClass is node-services.py's: a hostPath PersistentVolume, a
+    0777 folder, so the trainer (uid 10001) writes where the engines and the session server
+    read."""
+    claim = {
+        "apiVersion": "v1",
+        "kind": "PersistentVolumeClaim",
+        "metadata": {"name": CHECKPOINTS},
+        "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "1Gi"}}},
+    }
+    model_server = yaml.safe_load((EXAMPLES / "modelserver.yaml").read_text())
+    model_server["spec"]["policy"] = {"checkpoints": {"claimName": CHECKPOINTS}}
+    return yaml.safe_dump_all([claim, model_server])
 
 
 def condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
@@ -219,7 +243,7 @@ def model_server(node: Node, release: Path) -> str:
     below adds the SessionServer in front of the same engine). Returns the namespace."""
     node.kubectl("create", "namespace", NS)
     started = time.monotonic()
-    node.kubectl("apply", "-n", NS, "-f", str(EXAMPLES / "modelserver.yaml"))
+    node.kubectl("apply", "-n", NS, "-f", "-", input=model_server_manifests())
     try:
         wait_for(lambda: ready(node, "modelserver", "tiny-qwen3"), timeout=900, interval=5)
     except BaseException:
@@ -231,9 +255,11 @@ def model_server(node: Node, release: Path) -> str:
 
 @pytest.fixture(scope="module")
 def stack(node: Node, release: Path, model_server: str) -> Stack:
-    """`kubectl apply -f examples/cpu/` and both resources Ready through real probes."""
+    """`kubectl apply -f examples/cpu/` (the ModelServer with its checkpoint claim, as the
+    fixture above applied it) and both resources Ready through real probes."""
     started = time.monotonic()
-    node.kubectl("apply", "-n", NS, "-f", str(EXAMPLES))
+    node.kubectl("apply", "-n", NS, "-f", "-", input=model_server_manifests())
+    node.kubectl("apply", "-n", NS, "-f", str(EXAMPLES / "sessionserver.yaml"))
     try:
         wait_for(lambda: ready(node, "modelserver", "tiny-qwen3"), timeout=900, interval=5)
         wait_for(lambda: ready(node, "sessionserver", "rollouts"), timeout=600, interval=5)
@@ -332,79 +358,351 @@ def test_the_same_session_continues_on_a_replaced_engine_pod(stack: Stack) -> No
     conversation.assert_one_contiguous_segment()
 
 
+def engine_key(node: Node) -> str:
+    """The engine key the operator generated (the engines ask for it on all but /health)."""
+    secret = node.json("get", "secret", "tiny-qwen3-engine-key", "-n", NS)
+    return base64.b64decode(secret["data"]["engine-key"]).decode()
+
+
+def live_engine_pods(node: Node) -> list[dict[str, Any]]:
+    pods = node.json("get", "pods", "-n", NS, "-l", ENGINE_PODS)["items"]
+    return [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+
+
 def engine_requests(node: Node) -> dict[str, float]:
     """Finished requests per engine pod, from each vLLM's own /metrics (pod IPs are reachable
-    from the node)."""
+    from the node; the engine key opens them)."""
     counted = {}
-    for pod in node.json("get", "pods", "-n", NS, "-l", ENGINE_PODS)["items"]:
-        if pod["metadata"].get("deletionTimestamp") or not pod["status"].get("podIP"):
+    headers = {"Authorization": f"Bearer {engine_key(node)}"}
+    for pod in live_engine_pods(node):
+        if not pod["status"].get("podIP"):
             continue
-        text = httpx.get(f"http://{pod['status']['podIP']}:8000/metrics", timeout=30).text
-        lines = [
-            line for line in text.splitlines() if line.startswith("vllm:request_success_total")
-        ]
-        assert lines, "vLLM reports no vllm:request_success_total"
-        counted[pod["metadata"]["name"]] = sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+        url = f"http://{pod['status']['podIP']}:8000/metrics"
+        counted[pod["metadata"]["name"]] = finished_requests(url, headers)
     return counted
 
 
-def test_two_engine_replicas_both_serve_sessions_with_affinity(stack: Stack) -> None:
-    """Scale the ModelServer to 2 (each engine requests 250m of the node's 2 CPUs): the session
-    servers discover the new replica, sessions spread over both, and every turn of a session
-    goes to the engine that served its first (its prefix cache holds the conversation)."""
+def finished_requests(url: str, headers: dict[str, str]) -> float:
+    text = httpx.get(url, headers=headers, timeout=30).text
+    lines = [line for line in text.splitlines() if line.startswith("vllm:request_success_total")]
+    assert lines, f"vLLM reports no vllm:request_success_total: {text[:200]}"
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+
+def engines_discovered(stack: Stack, count: int) -> bool:
+    with httpx.Client(base_url=stack.base, timeout=30) as client:
+        text = client.get("/metrics", headers={"Authorization": f"Bearer {stack.key}"}).text
+    up = [ln for ln in text.splitlines() if ln.startswith("tokenkeep_engine_replica_up{")]
+    return len(up) == count and all(ln.endswith(" 1.0") for ln in up)
+
+
+def scale_engines(stack: Stack, replicas: int) -> None:
     node = stack.node
-    started = time.monotonic()
     node.kubectl("patch", "modelserver", "tiny-qwen3", "-n", NS, "--type=merge",
-                 "-p", '{"spec": {"replicas": 2}}')  # fmt: skip
+                 "-p", json.dumps({"spec": {"replicas": replicas}}))  # fmt: skip
     wait_for(
         lambda: (
             node.json("get", "modelserver", "tiny-qwen3", "-n", NS)["status"].get("readyReplicas")
-            == 2
+            == replicas
             and ready(node, "modelserver", "tiny-qwen3")
+            and pods_ready(node, ENGINE_PODS, replicas)
         ),
         timeout=900,
         interval=5,
     )
-    node.timings["second_replica_ready_s"] = time.monotonic() - started
 
-    def both_discovered() -> bool:
-        with httpx.Client(base_url=stack.base, timeout=30) as client:
-            text = client.get("/metrics", headers={"Authorization": f"Bearer {stack.key}"}).text
-        up = [ln for ln in text.splitlines() if ln.startswith("tokenkeep_engine_replica_up{")]
-        return len(up) == 2 and all(ln.endswith(" 1.0") for ln in up)
 
-    wait_for(both_discovered, timeout=300, interval=5)
+class TestTwoEngineReplicas:
+    """The ModelServer scaled to 2 (each engine requests 250m of the node's 2 CPUs) for the
+    tests of this class, and back to 1 after them."""
 
-    served_by: dict[str, set[str]] = {}
-    for _ in range(12):
+    @pytest.fixture(scope="class", autouse=True)
+    def two_engines(self, stack: Stack) -> Iterator[None]:
+        started = time.monotonic()
+        scale_engines(stack, 2)
+        stack.node.timings["second_replica_ready_s"] = time.monotonic() - started
+        # The session servers discover the new replica through the headless Service.
+        wait_for(lambda: engines_discovered(stack, 2), timeout=300, interval=5)
+        yield
+        scale_engines(stack, 1)
+
+    def test_two_engine_replicas_both_serve_sessions_with_affinity(self, stack: Stack) -> None:
+        """The session servers discover the new replica, sessions spread over both, and every
+        turn of a session goes to the engine that served its first (its prefix cache holds
+        the conversation)."""
+        node = stack.node
+        served_by: dict[str, set[str]] = {}
+        for _ in range(12):
+            conversation = stack.conversation()
+            engines = set()
+            for _ in range(2):
+                before = engine_requests(node)
+                conversation.turn()
+                # vLLM counts a request as it finishes, maybe just after answering.
+                after = wait_for(
+                    lambda before=before: (
+                        (now := engine_requests(node))
+                        and sum(now.values()) >= sum(before.values()) + 1
+                        and now
+                    ),
+                    timeout=30,
+                    interval=0.5,
+                )
+                moved = [name for name in after if after[name] > before.get(name, 0)]
+                assert len(moved) == 1, (before, after)
+                engines.add(moved[0])
+            conversation.assert_one_contiguous_segment()
+            assert len(engines) == 1, f"session {conversation.session_id} moved: {engines}"
+            served_by[conversation.session_id] = engines
+            if len(set().union(*served_by.values())) == 2 and len(served_by) >= 3:
+                break
+        assert len(set().union(*served_by.values())) == 2, served_by
+
+    def test_a_trainer_job_publishes_a_policy_and_a_replaced_engine_catches_up(
+        self, stack: Stack
+    ) -> None:
+        """The trainer's path in a cluster (docs/trainer.md, "In a cluster"): a Job of the
+        tokenkeep image mounts the ModelServer's checkpoint claim read-write, writes
+        /checkpoints/step-1 (a temporary name, then a rename) and publishes it as policy 1
+        through the SessionServer's Service with the admin key. The checkpoint is the base
+        model's config.json and safetensors (an init container of the engine image copies them
+        out: the tokenkeep image has no torch to train with): the same weights under a new
+        version, but the publish, the in-place reload, the version stamping and the catch-up
+        are the real ones. Then both replicas serve "1" (GET /policy, the SessionServer's
+        status.policy), a turn is stamped "1"; an engine pod deleted comes back on its base
+        weights ("default"), is fenced, reloaded from /checkpoints/step-1 by tokenkeep, and
+        only then serves: no request reaches it before, and every turn stored meanwhile
+        carries version "1"."""
+        node = stack.node
+        started = time.monotonic()
+        node.kubectl("apply", "-n", NS, "-f", "-", input=yaml.safe_dump(trainer_job(stack)))
+        try:
+            wait_for(lambda: job_done(node, "trainer-step-1"), timeout=300, interval=2)
+        finally:
+            print(node.kubectl("logs", "-n", NS, "job/trainer-step-1", "--all-containers",
+                               check=False))  # fmt: skip
+        node.timings["trainer_job_s"] = time.monotonic() - started
+        [line] = [
+            ln
+            for ln in node.kubectl("logs", "-n", NS, "job/trainer-step-1").splitlines()
+            if ln.startswith("{")
+        ]
+        published = json.loads(line)
+        print(f"publish through the Service: {json.dumps(published)}")
+        node.timings["publish_s"] = published["seconds"]
+        assert published["version"] == "1", published
+        assert len(published["replicas"]) == 2, published
+        assert {(r["version"], r["state"]) for r in published["replicas"]} == {("1", "serving")}
+
+        with stack.conversation().admin() as admin:
+            policy = admin.get("/policy").json()
+        assert policy["version"] == "1" and policy["source"] == {"path": "/checkpoints/step-1"}
+        assert [(r["version"], r["state"]) for r in policy["replicas"]] == [("1", "serving")] * 2
+
+        def policy_status() -> dict[str, Any]:
+            status = node.json("get", "sessionserver", "rollouts", "-n", NS)["status"]
+            assert status.get("policy", {}).get("summary") == "1 (2/2)", status.get("policy")
+            return status["policy"]
+
+        shown = wait_for(policy_status, timeout=120, interval=5)  # the operator polls every 30 s
+        assert (shown["version"], shown["servingReplicas"]) == ("1", 2), shown
+        assert "1 (2/2)" in node.kubectl("get", "sessionservers", "-n", NS)
+
         conversation = stack.conversation()
-        engines = set()
-        for _ in range(2):
-            before = engine_requests(node)
-            conversation.turn()
-            # vLLM counts a request as it finishes, maybe just after answering.
-            after = wait_for(
-                lambda before=before: (
-                    (now := engine_requests(node))
-                    and sum(now.values()) >= sum(before.values()) + 1
-                    and now
-                ),
-                timeout=30,
-                interval=0.5,
-            )
-            moved = [name for name in after if after[name] > before.get(name, 0)]
-            assert len(moved) == 1, (before, after)
-            engines.add(moved[0])
-        conversation.assert_one_contiguous_segment()
-        assert len(engines) == 1, f"session {conversation.session_id} moved: {engines}"
-        served_by[conversation.session_id] = engines
-        if len(set().union(*served_by.values())) == 2 and len(served_by) >= 3:
-            break
-    assert len(set().union(*served_by.values())) == 2, served_by
+        conversation.turn()
+        assert weight_versions(conversation) == {"1"}
 
-    node.kubectl("patch", "modelserver", "tiny-qwen3", "-n", NS, "--type=merge",
-                 "-p", '{"spec": {"replicas": 1}}')  # fmt: skip
-    wait_for(lambda: pods_ready(node, ENGINE_PODS, 1), timeout=300, interval=5)
+        # An engine pod replaced: its successor starts from the image's model (base weights).
+        old_pods = {p["metadata"]["name"] for p in live_engine_pods(node)}
+        victim = sorted(old_pods)[0]
+        turns = TurnsMeanwhile(stack)
+        turns.start()
+        try:
+            node.kubectl("delete", "pod", "-n", NS, victim, "--wait=false")
+            fresh = wait_for(lambda: ready_successor(node, old_pods), timeout=900, interval=0.5)
+            ready_at = time.monotonic()
+            ip = fresh["status"]["podIP"]
+            metrics = f"http://{ip}:8000/metrics"
+            headers = {"Authorization": f"Bearer {engine_key(node)}"}
+            seen: list[tuple[float, str | None, str]] = []
+            while True:
+                # Requests it finished, read before the policy that says it is not serving
+                # yet: any would have been served while it was behind.
+                finished = finished_requests(metrics, headers)
+                with conversation.admin() as admin:
+                    replicas = admin.get("/policy").json()["replicas"]
+                mine = [r for r in replicas if f"//{ip}:" in r["engine"]]
+                if mine:
+                    [replica] = mine
+                    state = (replica["version"], replica["state"])
+                    if not seen or seen[-1][1:] != state:
+                        seen.append((round(time.monotonic() - ready_at, 2), *state))
+                    if state == ("1", "serving"):
+                        break
+                    assert finished == 0, f"{ip} served {finished} requests while {state}"
+                assert time.monotonic() - ready_at < 300, seen
+                time.sleep(0.25)
+            caught_up_s = time.monotonic() - ready_at
+            node.timings["catch_up_after_ready_s"] = round(caught_up_s, 2)
+            print(f"replaced engine {ip}: seen {seen}; serving 1 {caught_up_s:.2f}s after Ready")
+            # Seen before it served: not serving "1" (it came back on "default").
+            assert seen[0][1:] != ("1", "serving"), seen
+            # Turns go on until one lands on the new replica.
+            wait_for(lambda: finished_requests(metrics, headers) > 0, timeout=300, interval=2)
+        finally:
+            turns.stop()
+        logs = node.kubectl("logs", "-n", NS, "-l", SESSION_PODS, "--tail=-1")
+        assert f"engine http://{ip}:8000 fenced: behind: serves default, published 1" in logs
+        assert f"engine http://{ip}:8000 caught up to policy 1" in logs
+        assert turns.conversations and all(
+            weight_versions(c) == {"1"} for c in turns.conversations if c.turns
+        ), [(c.session_id, weight_versions(c)) for c in turns.conversations]
+        print(f"turns meanwhile: {sum(len(c.turns) for c in turns.conversations)}")
+        node.kubectl("delete", "job", "trainer-step-1", "-n", NS, "--cascade=foreground")
+
+
+def trainer_job(stack: Stack) -> dict[str, Any]:
+    """The trainer: writes /checkpoints/step-1 on the claim and publishes it (the client's
+    `publish_policy`, admin key from the SessionServer's Secret). Labelled as a trainer of
+    tiny-qwen3 (its NetworkPolicy lets it reach the engines)."""
+    service = "http://rollouts-sessions.rl.svc.cluster.local:" + stack.base.rsplit(":", 1)[1]
+    script = """
+import json, os, shutil, time
+from tokenkeep import Client
+partial, final = "/checkpoints/.step-1.partial", "/checkpoints/step-1"
+shutil.copytree("/base", partial)
+os.rename(partial, final)  # a reader never sees half a checkpoint
+started = time.monotonic()
+policy = Client(os.environ["SESSIONS_URL"], api_key=os.environ["ADMIN_KEY"]).publish_policy(
+    1, path=final, pause="keep"
+)
+print(json.dumps({
+    "seconds": round(time.monotonic() - started, 3), "version": policy.version,
+    "pause_seconds": policy.pause_seconds, "requests": policy.requests,
+    "replicas": [{"version": r.version, "state": r.state, "seconds": r.seconds}
+                 for r in policy.replicas],
+}))
+"""
+    small = {"requests": {"cpu": "10m", "memory": "64Mi"}}
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {"name": "trainer-step-1"},
+        "spec": {
+            "backoffLimit": 0,
+            "template": {
+                "metadata": {"labels": {"tokenkeep.dev/trainer": "tiny-qwen3"}},
+                "spec": {
+                    "restartPolicy": "Never",
+                    "volumes": [
+                        {
+                            "name": "checkpoints",
+                            "persistentVolumeClaim": {"claimName": CHECKPOINTS},
+                        },
+                        {"name": "base", "emptyDir": {}},
+                    ],
+                    "initContainers": [
+                        {
+                            "name": "base-weights",
+                            "image": stack.node.images["engine"]["ref"],
+                            "imagePullPolicy": "Never",
+                            "command": [
+                                "sh",
+                                "-c",
+                                "cp /models/tiny-qwen3/config.json "
+                                "/models/tiny-qwen3/*.safetensors /base/ "
+                                "&& chmod 0644 /base/*",
+                            ],
+                            "volumeMounts": [{"name": "base", "mountPath": "/base"}],
+                            "resources": small,
+                        }
+                    ],
+                    "containers": [
+                        {
+                            "name": "trainer",
+                            "image": stack.node.images["tokenkeep"]["ref"],
+                            "imagePullPolicy": "Never",
+                            "command": ["python", "-c", script],
+                            "env": [
+                                {"name": "SESSIONS_URL", "value": service},
+                                {
+                                    "name": "ADMIN_KEY",
+                                    "valueFrom": {
+                                        "secretKeyRef": {
+                                            "name": "rollouts-admin-key",
+                                            "key": "admin-key",
+                                        }
+                                    },
+                                },
+                            ],
+                            "volumeMounts": [
+                                {"name": "checkpoints", "mountPath": "/checkpoints"},
+                                {"name": "base", "mountPath": "/base", "readOnly": True},
+                            ],
+                            "resources": small,
+                        }
+                    ],
+                },
+            },
+        },
+    }
+
+
+def job_done(node: Node, name: str) -> bool:
+    status = node.json("get", "job", name, "-n", NS).get("status") or {}
+    assert not status.get("failed"), f"job {name} failed: {status}"
+    return bool(status.get("succeeded"))
+
+
+def ready_successor(node: Node, old: set[str]) -> dict[str, Any] | None:
+    """The engine pod not among `old`, once Ready."""
+    for pod in live_engine_pods(node):
+        if pod["metadata"]["name"] not in old and condition(pod, "Ready").get("status") == "True":
+            return pod
+    return None
+
+
+def weight_versions(conversation: Conversation) -> set[str]:
+    """The policy versions the stored turns of a session were sampled with."""
+    return {
+        span["version"]
+        for branch in conversation.trajectory()["branches"]
+        for segment in branch["segments"]
+        for span in segment["weight_versions"]
+    }
+
+
+class TurnsMeanwhile:
+    """Turns through the Service in a thread, two per session, new sessions all along (so
+    that some land on a replica that comes back), until stopped."""
+
+    def __init__(self, stack: Stack) -> None:
+        self.stack = stack
+        self.conversations: list[Conversation] = []
+        self.errors: list[BaseException] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="turns-meanwhile", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                conversation = self.stack.conversation()
+                self.conversations.append(conversation)
+                for _ in range(2):
+                    if self._stop.is_set():
+                        break
+                    conversation.turn_when_served()
+        except BaseException as error:  # reported by stop()
+            self.errors.append(error)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=600)
+        assert not self._thread.is_alive(), "turns still running"
+        assert not self.errors, self.errors
 
 
 def test_helm_upgrade_rolls_the_session_servers_without_losing_a_session(stack: Stack) -> None:
@@ -515,6 +813,7 @@ def test_deleting_the_resources_and_uninstalling_leaves_nothing(stack: Stack) ->
     node = stack.node
     node.kubectl("delete", "-n", NS, "-f", str(EXAMPLES), "--timeout=300s")
     assert node.kubectl("get", "modelservers,sessionservers", "-n", NS, "-o", "name") == ""
+    node.kubectl("delete", "pvc", CHECKPOINTS, "-n", NS, "--timeout=300s")
     node.helm("uninstall", RELEASE, "-n", OPERATOR_NAMESPACE, "--wait", "--timeout", "5m")
     # The Lease and the Deployment go with the release; the operator pod after its grace.
     assert node.kubectl("get", "lease,deployment", "-n", OPERATOR_NAMESPACE, "-o", "name") == ""
