@@ -47,6 +47,7 @@ def test_a_few_grpo_steps_reach_the_running_engine(
         assert [line["step"] for line in lines] == list(range(steps))
         assert [line["new_version"] for line in lines] == ["1", "2", "3"]
         assert summary["final_version"] == "3"
+        assert summary["engine_matches_learner"] is True
         for line in lines:
             assert line["rollouts"] == size and line["failed"] == 0
             assert set(line) >= {"step", "mean_reward", "weight_version", "rollouts", "tokens"}
@@ -54,7 +55,7 @@ def test_a_few_grpo_steps_reach_the_running_engine(
             assert line["weight_version"] == str(line["step"])
             # The engine's logprobs are the learner's, under the weights just loaded (bf16
             # rounding apart): a stale output layer would leave them where they were.
-            assert line["probe_gap"] < 0.02, line
+            assert line["probe_gap"] < 0.02 and line["engine_matches_learner"], line
             assert line["logprob_gap_current"] < 0.02, line
             # Published through tokenkeep's POST /policy (the fleet refuses a reload whose
             # tied output layer is off the checkpoint).
