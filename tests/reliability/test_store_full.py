@@ -135,7 +135,8 @@ def test_full_redis_refuses_turns_cleanly_and_loses_nothing_acknowledged(
     assert _metric(metrics, "tokenkeep_store_used_memory_bytes") > MAXMEMORY * 0.9
     assert _metric(metrics, "tokenkeep_store_full_refusals_total") >= 2
 
-    direct.delete(*(f"ballast{i}" for i in range(ballast)))  # memory freed (an export and delete, or a bigger maxmemory)
+    # Memory freed (sessions exported and deleted, or a bigger maxmemory).
+    direct.delete(*(f"ballast{i}" for i in range(ballast)))
     deadline = time.monotonic() + 10
     while (again := _turn(server, refused_session)).status_code != 200:
         assert time.monotonic() < deadline, again.text
@@ -143,4 +144,3 @@ def test_full_redis_refuses_turns_cleanly_and_loses_nothing_acknowledged(
     assert server.turns(refused_session) == 1
     for session_id in acknowledged:
         assert server.turns(session_id) == 1
-
