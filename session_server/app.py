@@ -102,6 +102,7 @@ def build_service(
         store=store
         or open_store(
             settings.redis_url,
+            password=settings.redis_password,
             timeout_s=settings.redis_timeout_s,
             retry_s=settings.redis_retry_s,
             wait_replicas=settings.redis_wait_replicas,

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import math
 import os
 import socket
 import time
@@ -58,6 +59,8 @@ _LEAN_HEADERS = {**_REQUEST_HEADERS, "user-agent": "tokenkeep", "accept-encoding
 # reach it. One refused or reset connection is not enough: under a burst a busy engine's
 # accept queue overflows now and then while it is perfectly alive.
 FAILURES_BEFORE_DOWN = 3
+RECHECK_S = 0.5
+"""While no replica is ready, a generation re-checks them at most this often."""
 # vLLM (uvicorn) closes an idle keep-alive connection after 5 s. A pooled connection reused
 # just as the engine closes it fails with a reset and no response; expiring idle connections
 # well before the engine does removes that race.
@@ -201,6 +204,10 @@ class EngineClient:
             headers=auth,
         )
         self._health_task: asyncio.Task[None] | None = None
+        self._recheck: asyncio.Task[None] | None = None
+        self._rechecked_at = -math.inf
+        self._down_reasons: dict[str, str] = {}
+        """Per replica URL, what its last failed health check said (for the refusal)."""
         self._aborting: set[asyncio.Task[None]] = set()
 
     @property
@@ -220,6 +227,8 @@ class EngineClient:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health_task
             self._health_task = None
+        if self._recheck is not None:
+            await asyncio.gather(self._recheck, return_exceptions=True)
         if self._aborting:
             await asyncio.gather(*self._aborting, return_exceptions=True)
         if self._lean is not None:
@@ -251,12 +260,14 @@ class EngineClient:
         try:
             response = await self._health_http.get(replica.url + self.wire.health_path)
             healthy = response.status_code == 200
+            self._down_reasons[replica.url] = f"health check answered {response.status_code}"
         except httpx.TimeoutException as exc:
             if strike_on_timeout:
                 self._strike(replica, f"health check timed out: {exc!r}")
             return
-        except httpx.HTTPError:
+        except httpx.HTTPError as exc:
             healthy = False
+            self._down_reasons[replica.url] = f"unreachable: {exc!r}"
         if healthy != replica.healthy:
             logger.warning("engine %s is now %s", replica.url, "up" if healthy else "down")
             if not healthy:
@@ -350,6 +361,44 @@ class EngineClient:
         ranked = rendezvous_order(session_id, healthy or list(serving))
         return [self._replicas[url] for url in ranked]
 
+    async def _need_ready(self) -> None:
+        """Refuse a generation at once (503, retryable) while no replica that may serve
+        passes its health check: every engine restarting or loading its model. The marks
+        are first refreshed by one check (shared by the requests that arrive meanwhile, at
+        most one per `RECHECK_S`), so a stale mark is not a refusal. Without the health loop
+        (a client used without `start`) the replicas are tried as before."""
+        if self._health_task is None or self._any_ready():
+            return
+        if self._recheck is None and time.monotonic() - self._rechecked_at >= RECHECK_S:
+            self._recheck = asyncio.create_task(self._refresh(), name="engine-recheck")
+        if self._recheck is not None:
+            await asyncio.shield(self._recheck)
+        if self._any_ready() or not any(r.fenced is None for r in self._replicas.values()):
+            return  # a fenced fleet is order_for's refusal (PolicyFenced)
+        down = "; ".join(
+            f"{url}: {self._down_reasons.get(url, 'marked down')}" for url in sorted(self._replicas)
+        )
+        raise EngineError(
+            503,
+            f"no engine replica is ready (restarting or loading its model? {down or 'none'}); "
+            "sessions, finish and export still work; retry the turn later",
+            "EngineUnavailable",
+            retry_after_s=max(1, math.ceil(self.health_interval_s)),
+        )
+
+    def _any_ready(self) -> bool:
+        return any(r.healthy and r.fenced is None for r in self._replicas.values())
+
+    async def _refresh(self) -> None:
+        try:
+            await self.discover()
+            await self.check_health()
+        except Exception:  # as in the health loop: a bad check is not the request's error
+            logger.exception("engine health check failed")
+        finally:
+            self._rechecked_at = time.monotonic()
+            self._recheck = None
+
     def _attempts(self, session_id: str) -> Iterator[Replica]:
         """Where to send a request, in turn: the candidates, then the candidates once more,
         ranked again. A failure before the first token moves on, and a second round catches
@@ -414,6 +463,7 @@ class EngineClient:
         started = time.perf_counter()
         accepts = self.accepts_version
         last_error: EngineError | None = None
+        await self._need_ready()
         for replica in self._attempts(session_id):
             replica.inflight += 1
             try:
@@ -457,6 +507,7 @@ class EngineClient:
         )
         last_error: EngineError | None = None
         accepts = self.accepts_version
+        await self._need_ready()
         for replica in self._attempts(session_id):
             replica.inflight += 1
             try:

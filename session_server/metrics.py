@@ -200,6 +200,34 @@ class Metrics:
             registry=r,
         )
 
+        self.store_used_memory = Gauge(
+            "tokenkeep_store_used_memory_bytes",
+            "Redis used_memory (INFO memory), read at each scrape; -1: not known (the "
+            "embedded store, or Redis did not answer).",
+            registry=r,
+        )
+        self.store_max_memory = Gauge(
+            "tokenkeep_store_max_memory_bytes",
+            "Redis maxmemory (0: unbounded). Turns are refused (503) once used reaches it.",
+            registry=r,
+        )
+        self.store_full_refusals = Counter(
+            "tokenkeep_store_full_refusals",
+            "Store writes refused because Redis is full (OOM, maxmemory with noeviction): "
+            "each one a 503, nothing stored.",
+            registry=r,
+        )
+        self._full_refusals_seen = 0
+
+    def record_store_memory(self, memory: tuple[int, int] | None, full_refusals: int) -> None:
+        """What the store said at a scrape: (used, max) bytes or None, and its refusals."""
+        used, most = memory if memory is not None else (-1, -1)
+        self.store_used_memory.set(used)
+        self.store_max_memory.set(most)
+        if full_refusals > self._full_refusals_seen:
+            self.store_full_refusals.inc(full_refusals - self._full_refusals_seen)
+            self._full_refusals_seen = full_refusals
+
     def record_reply_check(self, parsed: bool | None, stream_equal: bool | None) -> None:
         """The start-up check's reply verdicts (None: not measured)."""
         self.check_tool_calls_parsed.set(-1 if parsed is None else int(parsed))

@@ -45,6 +45,9 @@ class Settings(BaseSettings):
     renderer: str = "auto"
     redis_url: str | None = None
     """redis://, rediss://, redis+sentinel://..., redis+cluster://... (store/redis.py)."""
+    redis_password: str | None = None
+    """The Redis password where the URL carries none (TOKENKEEP_REDIS_PASSWORD; the operator
+    sets it from the managed Redis's Secret, so the URL itself holds no secret)."""
     redis_retry_s: float = 2.0
     """How long one store operation is retried while Redis is unreachable before 503."""
     redis_timeout_s: float = 5.0

@@ -463,9 +463,23 @@ class ManagedRedis(CRDModel):
         None, description="StorageClass of the Redis PVC; the cluster default if unset."
     )
     retain: bool = Field(False, description="Keep the Redis PVC when the resource is deleted.")
-    resources: ResourceRequirements = Field(
-        ResourceRequirements(requests={"cpu": "100m", "memory": "256Mi"}, limits={"memory": "2Gi"}),
-        description="Requests and limits of the Redis container.",
+    resources: ResourceRequirements | None = Field(
+        None,
+        description="Requests and limits of the Redis container. Unset: 256Mi requested and a "
+        "2Gi limit, or 1Gi and 8Gi where the ModelServer returns routed experts (about 420 "
+        "bytes per token stored).",
+    )
+    max_memory: Quantity | None = Field(
+        None,
+        description="Redis maxmemory (noeviction: once full, turns are refused with a "
+        "retryable 503 and nothing stored is evicted). Unset: 75% of the container's memory "
+        "limit (of the default limit where resources set none), leaving room for the "
+        "append-only file's rewrite (a fork) and fragmentation. Must stay below the limit.",
+    )
+    password_secret_ref: SecretKeyRef | None = Field(
+        None,
+        description="Secret key holding the Redis password (Redis and the session servers "
+        "read it). Default: a generated Secret <name>-redis-password, key password.",
     )
 
 

@@ -438,6 +438,10 @@ class Reconciler:
                 # The key first: the session server's pods read it from this Secret.
                 generated = spec.api_key_secret_ref is None
                 problem = self._create_key(session.admin_key_secret(owner)) if generated else None
+                managed = spec.redis.managed
+                if spec.redis.mode == "Managed" and managed.password_secret_ref is None:
+                    # Before Redis and the session servers, which both read it.
+                    problem = self._create_key(redis.password_secret(owner)) or problem
                 refused = self._apply_all(body, objects)
                 self._report_conflicts(
                     body,

@@ -118,7 +118,7 @@ def retry_after(exc: Exception) -> int | None:
     if isinstance(exc, StoreUnavailable | APIError | Refused):
         return exc.retry_after_s
     if isinstance(exc, EngineError) and exc.status == 503:
-        return 1
+        return exc.retry_after_s or 1
     return None
 
 

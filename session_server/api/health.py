@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -21,6 +22,8 @@ from session_server.api.errors import APIError
 from session_server.conversation import text_chars
 
 router = APIRouter()
+STORE_MEMORY_TIMEOUT_S = 1.0
+"""How long a scrape waits for Redis's INFO memory (a slow Redis must not stall /metrics)."""
 
 
 @router.get("/healthz")
@@ -29,12 +32,16 @@ async def healthz() -> dict[str, str]:
 
 
 @router.get("/readyz")
-async def readyz(request: Request) -> Response:
+async def readyz(request: Request, engine: bool = False) -> Response:
+    """Ready when the store answers and the server is not draining. A ready engine is not
+    required (`?engine=true` asks for one too): while every engine replica restarts or
+    loads, sessions are still created, finished, exported and viewed, and turns get a
+    retryable 503 in their API's shape, so the session API stays behind its Service."""
     service = turn_service(request)
     draining = request.app.state.admission.draining
     store_ok = await service.store.ping()
     engine_ok = await service.engine.ready()
-    ok = store_ok and engine_ok and not draining
+    ok = store_ok and not draining and (engine_ok or not engine)
     body = {
         "status": "ready" if ok else "not ready",
         "store": store_ok,
@@ -46,9 +53,16 @@ async def readyz(request: Request) -> Response:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    return Response(
-        generate_latest(turn_service(request).metrics.registry), media_type=CONTENT_TYPE_LATEST
-    )
+    service = turn_service(request)
+    store = service.store
+    memory = getattr(store, "memory", None)  # Redis: INFO memory; the embedded store: none
+    if memory is not None:
+        try:
+            used = await asyncio.wait_for(memory(), STORE_MEMORY_TIMEOUT_S)
+        except TimeoutError:
+            used = None
+        service.metrics.record_store_memory(used, getattr(store, "full_refusals", 0))
+    return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 class TokenizeRequest(BaseModel):

@@ -71,12 +71,22 @@ class EngineError(Exception):
     """A generation failed. `status` is the HTTP status to give the client: the engine's own
     4xx passes through; an unreachable or failing engine is 502/503, a timeout 504."""
 
-    def __init__(self, status: int, message: str, type: str, *, param: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str,
+        *,
+        param: str | None = None,
+        retry_after_s: int | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.param = param
+        self.retry_after_s = retry_after_s
+        """Seconds after which to retry (503 only; None: the default, 1 s)."""
 
     def __repr__(self) -> str:
         return f"EngineError({self.status}, {self.message!r}, {self.type!r})"

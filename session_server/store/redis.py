@@ -88,7 +88,8 @@ T = TypeVar("T")
 # Faults that pass: Redis down or restarting (ConnectionError, BusyLoadingError is one),
 # slow (TimeoutError), a Sentinel failover in progress (ReadOnlyError from the old master,
 # MasterNotFoundError is a ConnectionError), a Cluster resharding or failing over
-# (TryAgain, ClusterDown/MasterDown), memory full. Anything else is a bug and stays loud.
+# (TryAgain, ClusterDown/MasterDown). Memory full (OOM) is refused at once (`_call`).
+# Anything else is a bug and stays loud.
 class _ReplicasBehind(Exception):
     """WAIT saw fewer replicas than asked for (one is resyncing, or down)."""
 
@@ -98,6 +99,9 @@ class _Rerouted(Exception):
     lacks the script (a replica promoted since): sent again once the client caught up."""
 
 
+FULL_RETRY_AFTER_S = 5
+"""Retry-After of a turn refused because Redis is full."""
+
 _TRANSIENT = (
     _ReplicasBehind,
     _Rerouted,
@@ -106,7 +110,6 @@ _TRANSIENT = (
     ReadOnlyError,
     TryAgainError,
     ClusterDownError,
-    OutOfMemoryError,
     RedisClusterException,
     OSError,
     TimeoutError,
@@ -146,7 +149,7 @@ def _hosts(netloc: str) -> list[tuple[str, int]]:
     return hosts
 
 
-def connect(url: str, *, timeout_s: float = 5.0) -> Any:
+def connect(url: str, *, timeout_s: float = 5.0, password: str | None = None) -> Any:
     """A redis-py asyncio client for `url`:
     - `redis://`, `rediss://` (TLS), `unix://`: one Redis server (redis-py's URL syntax);
     - `redis+sentinel://[:password@]host:port[,host:port...]/<master name>[/db]`
@@ -154,6 +157,7 @@ def connect(url: str, *, timeout_s: float = 5.0) -> Any:
       ask for one): the master that the sentinels name, followed across failovers;
     - `redis+cluster://[:password@]host:port[,host:port...]` (`rediss+cluster://`): a Redis
       Cluster, any of its nodes to start from.
+    `password` is used where the URL carries none (TOKENKEEP_REDIS_PASSWORD).
     Commands are not retried by the client: RedisStore retries with its own backoff (it knows
     which operations are safe to send twice)."""
     parts = urlsplit(url)
@@ -162,7 +166,7 @@ def connect(url: str, *, timeout_s: float = 5.0) -> Any:
         "decode_responses": False,
         "socket_timeout": timeout_s,
         "socket_connect_timeout": min(1.0, timeout_s),
-        "password": unquote(parts.password) if parts.password else None,
+        "password": unquote(parts.password) if parts.password else password,
         "username": unquote(parts.username) if parts.username else None,
     }
     if scheme == "rediss":
@@ -188,9 +192,12 @@ def connect(url: str, *, timeout_s: float = 5.0) -> Any:
         return RedisCluster(startup_nodes=nodes, **options)
     if topology:
         raise ValueError(f"{url}: unknown Redis URL scheme {parts.scheme!r}")
+    # from_url reads the URL's own credentials; a password given apart fills in for none.
+    extra = {} if parts.password or password is None else {"password": password}
     return aioredis.Redis.from_url(
         url,
         retry=Retry(NoBackoff(), 0),
+        **extra,
         **{k: v for k, v in options.items() if k not in ("password", "username", "ssl")},
     )
 
@@ -210,22 +217,25 @@ class RedisStore:
         self,
         url: str,
         *,
+        password: str | None = None,
         key_prefix: str = "tk",
         timeout_s: float = 5.0,
         retry_s: float = 2.0,
         wait_replicas: int = 0,
         wait_timeout_ms: int = 1000,
     ) -> None:
-        self._redis = connect(url, timeout_s=timeout_s)
+        self._redis = connect(url, timeout_s=timeout_s, password=password)
         # The recorded aborts are polled on connections of their own: the poll goes on while
         # a Cluster fails over, and redis-py's reconnection after a fault there would cut the
         # connections of concurrent turns (RuntimeError/AttributeError 500s, seen).
-        self._poll = connect(url, timeout_s=timeout_s)
+        self._poll = connect(url, timeout_s=timeout_s, password=password)
         self._prefix = key_prefix
         self._retry_s = retry_s
         self._wait_replicas = wait_replicas
         self._wait_timeout_ms = wait_timeout_ms
         self._down_since: float | None = None
+        self.full_refusals = 0
+        """Writes Redis refused because its memory is full (maxmemory, noeviction)."""
         self._lookup = self._redis.register_script(_script("lookup.lua"))
         self._append = self._redis.register_script(_script("append.lua"))
         self._create = self._redis.register_script(_script("create.lua"))
@@ -249,6 +259,17 @@ class RedisStore:
         while True:
             try:
                 result = await operation()
+            except OutOfMemoryError as exc:
+                # maxmemory reached with noeviction: nothing was written (a script is refused
+                # at its first write) and nothing frees memory within a retry window. The
+                # turn is refused at once, everything acknowledged before stays.
+                self.full_refusals += 1
+                log.warning(json.dumps({"event": "store_full", "reason": _reason(exc)}))
+                raise StoreUnavailable(
+                    "session store full (Redis maxmemory reached); nothing was stored: retry "
+                    "later, or finish, export and delete sessions to free memory",
+                    retry_after_s=FULL_RETRY_AFTER_S,
+                ) from None
             except Exception as exc:
                 if not isinstance(exc, _TRANSIENT) and not _cut_under_us(exc):
                     raise
@@ -635,6 +656,19 @@ class RedisStore:
         if gone:
             await self._call(lambda: self._redis.zrem(self._finished_key, *gone))
         return found
+
+    async def memory(self) -> tuple[int, int] | None:
+        """(used_memory, maxmemory) in bytes from INFO memory (maxmemory 0: unbounded); None
+        where Redis does not answer or hides INFO (one attempt: read on /metrics)."""
+        try:
+            info = await self._redis.info("memory")
+        except (RedisError, RedisClusterException, OSError, TimeoutError):
+            return None
+        if "used_memory" not in info:  # a Cluster answers per node: summed
+            nodes = [v for v in info.values() if isinstance(v, dict)]
+            used = sum(int(n.get("used_memory", 0)) for n in nodes)
+            return used, sum(int(n.get("maxmemory", 0)) for n in nodes)
+        return int(info["used_memory"]), int(info.get("maxmemory", 0))
 
     async def ping(self) -> bool:
         try:

@@ -8,6 +8,7 @@ writing pod status as the cluster admin), as nothing else runs them here.
 
 from __future__ import annotations
 
+import base64
 import copy
 import itertools
 import signal
@@ -602,9 +603,24 @@ def test_sessionserver_gets_a_generated_admin_key(
         "name": "rollouts-admin-key",
         "key": "admin-key",
     }
+    # The managed Redis's password: one generated Secret, read by Redis and the sessions.
+    password_url = path("v1", "secrets", ns, "rollouts-redis-password")
+    password = eventually(lambda: admin.get(password_url))["data"]["password"]
+    assert len(base64.b64decode(password)) == 64
+    generated = {"name": "rollouts-redis-password", "key": "password"}
+    redis_env = eventually(
+        lambda: admin.get(path("apps/v1", "statefulsets", ns, "rollouts-redis"))
+    )["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {e["name"]: e["valueFrom"]["secretKeyRef"] for e in redis_env} == {
+        "REDIS_PASSWORD": generated,
+        "REDISCLI_AUTH": generated,
+    }
+    session_password = next(e for e in env if e["name"] == "TOKENKEEP_REDIS_PASSWORD")
+    assert session_password["valueFrom"]["secretKeyRef"] == generated
     admin.patch(ss_path(ns, "rollouts"), {"spec": {"replicas": 1}})
     eventually(lambda: deployment(admin, ns, "rollouts-sessions")["spec"]["replicas"] == 1)
     assert admin.get(secret_url)["data"]["admin-key"] == key
+    assert admin.get(password_url)["data"]["password"] == password  # never rewritten
     assert conditions(admin.get(ss_path(ns, "rollouts")))["Degraded"][0] == "False"
 
 

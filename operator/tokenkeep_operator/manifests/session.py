@@ -103,6 +103,11 @@ def settings(
         )
     if spec.redis.mode == "Managed":
         data[ENV_NAMES["redis_url"]] = redis.url(owner.name, owner.namespace)
+        routed = model_server.engine.return_routed_experts
+        try:
+            redis.max_memory_bytes(spec.redis.managed, routed)
+        except redis.RedisConfigError as error:
+            raise ConfigError(str(error)) from None
     elif spec.redis.external and spec.redis.external.wait_replicas:
         data[ENV_NAMES["redis_wait_replicas"]] = str(spec.redis.external.wait_replicas)
     data[ENV_NAMES["shutdown_grace_s"]] = str(spec.shutdown_grace_seconds)
@@ -145,6 +150,10 @@ def _secret_env(
     owner: Owner, spec: SessionServerSpec, model_server_name: str, model_server: ModelServerSpec
 ) -> list[dict[str, Any]]:
     env = []
+    if spec.redis.mode == "Managed":
+        # The URL is in the ConfigMap; its password comes apart, from the Secret.
+        ref = redis.password_ref(owner.name, spec.redis.managed)
+        env.append(secret_env(ENV_NAMES["redis_password"], ref.name, ref.key))
     if spec.redis.mode == "External" and spec.redis.external:
         ref = spec.redis.external.url_secret_ref
         env.append(secret_env(ENV_NAMES["redis_url"], ref.name, ref.key))
@@ -326,7 +335,8 @@ def render(
     data = settings(owner, spec, model_server_name, model_server)
     objects: list[dict[str, Any]] = []
     if spec.redis.mode == "Managed":
-        objects += redis.render(owner, spec.redis.managed, spec.scheduling)
+        routed = model_server.engine.return_routed_experts
+        objects += redis.render(owner, spec.redis.managed, spec.scheduling, routed)
         if spec.network_policy.enabled:
             objects.append(redis.redis_network_policy(owner, pod_selector(owner)))
     return [
