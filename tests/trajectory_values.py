@@ -138,3 +138,13 @@ def _first_difference(name: str, got: list[Any], want: list[Any]) -> str:
     if at is None:
         return f"{name}: lengths {len(got)} != {len(want)}"
     return f"{name} differs first at position {at}: exported {got[at]!r}, engine {want[at]!r}"
+
+
+def version_labels(trajectory: dict[str, Any]) -> list[str]:
+    """The policy version of every span of every segment of a trajectory's JSON, in order."""
+    return [
+        span["version"]
+        for branch in trajectory["branches"]
+        for segment in branch["segments"]
+        for span in segment["weight_versions"]
+    ]

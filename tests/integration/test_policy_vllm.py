@@ -28,6 +28,7 @@ from session_server.settings import Settings
 from tests.checkpoints import perturbed
 from tests.live_server import serving
 from tests.redis_server import start_redis_server, stop_redis_server
+from tests.trajectory_values import version_labels
 from tests.vllm_fixture import skip_if_asked
 
 pytestmark = pytest.mark.vllm
@@ -179,13 +180,7 @@ def turn(session: dict[str, Any], content: str = "Hello", max_tokens: int = 8) -
 
 def spans(session_id: str, fleet: Fleet) -> list[str]:
     with fleet.admin() as http:
-        trajectory = http.get(f"/sessions/{session_id}/trajectory").json()
-    return [
-        span["version"]
-        for branch in trajectory["branches"]
-        for segment in branch["segments"]
-        for span in segment["weight_versions"]
-    ]
+        return version_labels(http.get(f"/sessions/{session_id}/trajectory").json())
 
 
 def test_the_engines_refuse_every_control_path_without_the_key(fleet: Fleet) -> None:

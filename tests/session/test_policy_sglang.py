@@ -28,6 +28,7 @@ from tests.engine_double_sglang import SglangDouble
 from tests.live_server import serving
 from tests.policy.test_checkpoint import CONFIG, TENSORS, write_checkpoint
 from tests.session.adversarial import END, tokens
+from tests.trajectory_values import version_labels
 
 ADMIN_KEY = "admin-key-for-tests"
 
@@ -74,13 +75,7 @@ class Fleet:
 
     def versions(self, session_id: str) -> list[str]:
         with self.admin() as http:
-            trajectory = http.get(f"/sessions/{session_id}/trajectory").json()
-        return [
-            span["version"]
-            for branch in trajectory["branches"]
-            for segment in branch["segments"]
-            for span in segment["weight_versions"]
-        ]
+            return version_labels(http.get(f"/sessions/{session_id}/trajectory").json())
 
 
 @pytest.fixture

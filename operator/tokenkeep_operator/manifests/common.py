@@ -85,6 +85,16 @@ def metadata(
     return meta
 
 
+def locked_down() -> dict[str, Any]:
+    """The security context of every container the operator writes to a read-only root:
+    no privilege escalation, no capabilities."""
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+
+
 def secret_env(name: str, secret_name: str, key: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": key}}}
 

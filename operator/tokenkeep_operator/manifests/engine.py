@@ -18,6 +18,7 @@ from tokenkeep_operator.manifests.common import (
     Owner,
     http_probe,
     labels,
+    locked_down,
     metadata,
     network_policy,
     pod_disruption_budget,
@@ -280,11 +281,7 @@ def extension_copy(tokenkeep_image: str) -> dict[str, Any]:
         "imagePullPolicy": "IfNotPresent",
         "command": ["python", "-c", script],
         "resources": {"requests": {"cpu": "10m", "memory": "64Mi"}},
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": locked_down(),
         "volumeMounts": [{"name": "extension", "mountPath": EXTENSION_PATH}],
     }
 

@@ -18,6 +18,7 @@ from tokenkeep_operator.manifests.common import (
     Owner,
     http_probe,
     labels,
+    locked_down,
     metadata,
     pod_disruption_budget,
     scheduling_fields,
@@ -204,11 +205,7 @@ def deployment(
         "resources": resources,
         # A crash at start shows its last log line in the SessionServer's CrashLoop condition.
         "terminationMessagePolicy": "FallbackToLogsOnError",
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": locked_down(),
         "volumeMounts": [
             {"name": "tmp", "mountPath": "/tmp"},
             {"name": "cache", "mountPath": "/cache"},
@@ -300,11 +297,7 @@ def _tokenizer_copy(model_server: ModelServerSpec) -> dict[str, Any]:
             f"find '{source}' -maxdepth 1 -type f {skip} -exec cp {{}} {TOKENIZER_PATH}/ ';'",
         ],
         "resources": {"requests": {"cpu": "10m", "memory": "32Mi"}},
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": locked_down(),
         "volumeMounts": [{"name": "tokenizer", "mountPath": TOKENIZER_PATH}],
     }
 
