@@ -82,6 +82,13 @@ def expected_suffix_ids(
     sampled with where it is not the end-of-turn token (Gemma 4 stops a calling turn at
     `<|tool_response>`, and the tool results continue the same turn)."""
     last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    if stop is not None and stop != model.close_token_id:
+        # Only a stop token the template itself writes where that turn stops (Gemma 4's
+        # `<|tool_response>`); a turn that ended on another stop token (Qwen3's
+        # `<|endoftext|>`) is closed by the end-of-turn token like any other.
+        stop_text = model.tokenizer.convert_ids_to_tokens(stop)
+        if stop_text not in _render_text(model, messages, tools):
+            stop = None
     close = stop if stop is not None else model.close_token_id
     assert close is not None
     close_text = model.tokenizer.convert_ids_to_tokens(close)
