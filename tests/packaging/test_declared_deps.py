@@ -40,6 +40,9 @@ INSTALLED_APART = {
     "skyrl",
     # slime: not on PyPI; its driver runs against a fetched source tree (recorded run only).
     "slime",
+    # The GGUF reader vendored in the pinned llama-cpp-python sdist, put on sys.path only
+    # while Gemma 4's vocabulary is read from it (tests/real_tokenizers.py::gemma4_dir).
+    "gguf",
 }
 
 
