@@ -95,6 +95,20 @@ def locked_down() -> dict[str, Any]:
     }
 
 
+def generated_secret(
+    owner: Owner, name: str, key: str, value: str, app: str, component: str
+) -> dict[str, Any]:
+    """A Secret holding one generated credential (`value`). Created once and never updated:
+    the reconciler creates it only where it is missing, so rotating it is deleting it."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": metadata(owner, name, labels(owner, app, component)),
+        "type": "Opaque",
+        "stringData": {key: value},
+    }
+
+
 def secret_env(name: str, secret_name: str, key: str) -> dict[str, Any]:
     return {"name": name, "valueFrom": {"secretKeyRef": {"name": secret_name, "key": key}}}
 

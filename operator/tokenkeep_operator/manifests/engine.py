@@ -16,6 +16,7 @@ from tokenkeep_operator.manifests.common import (
     TRAINER_LABEL,
     USES_MODEL_SERVER_LABEL,
     Owner,
+    generated_secret,
     http_probe,
     labels,
     locked_down,
@@ -98,13 +99,14 @@ def engine_key_secret(owner: Owner) -> dict[str, Any]:
     """A new random engine key. Created once and never updated (the reconciler creates it
     only where it is missing; the operator cannot read Secrets back): rotating it is deleting
     it and restarting the engines and session servers. Owned by the ModelServer."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": metadata(owner, f"{owner.name}-engine-key", labels(owner, APP, COMPONENT)),
-        "type": "Opaque",
-        "stringData": {ENGINE_KEY_SECRET_KEY: secrets.token_urlsafe(32)},
-    }
+    return generated_secret(
+        owner,
+        f"{owner.name}-engine-key",
+        ENGINE_KEY_SECRET_KEY,
+        secrets.token_urlsafe(32),
+        APP,
+        COMPONENT,
+    )
 
 
 def checkpoint_mount(spec: ModelServerSpec) -> tuple[dict[str, Any], dict[str, Any]] | None:

@@ -12,6 +12,7 @@ from typing import Any
 
 from tokenkeep_operator.manifests.common import (
     Owner,
+    generated_secret,
     labels,
     metadata,
     network_policy,
@@ -119,15 +120,14 @@ def password_secret(owner: Owner) -> dict[str, Any]:
     """A new random Redis password. Created once and never updated (the reconciler creates
     it only where it is missing): rotating it is deleting it, then restarting Redis and the
     session servers. Hex: safe in a URL and on a command line."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": metadata(
-            owner, f"{statefulset_name(owner.name)}-password", labels(owner, APP, COMPONENT)
-        ),
-        "type": "Opaque",
-        "stringData": {PASSWORD_SECRET_KEY: secrets.token_hex(32)},
-    }
+    return generated_secret(
+        owner,
+        f"{statefulset_name(owner.name)}-password",
+        PASSWORD_SECRET_KEY,
+        secrets.token_hex(32),
+        APP,
+        COMPONENT,
+    )
 
 
 def statefulset_name(owner_name: str) -> str:

@@ -16,6 +16,7 @@ from tokenkeep_operator.manifests.common import (
     GENERATION_ANNOTATION,
     USES_MODEL_SERVER_LABEL,
     Owner,
+    generated_secret,
     http_probe,
     labels,
     locked_down,
@@ -138,13 +139,14 @@ def admin_key_secret(owner: Owner) -> dict[str, Any]:
     only where it is missing): rotating it is deleting it. Owned by the SessionServer, so
     it goes with it. Session keys are never stored here: `POST /sessions` returns each one
     to its caller, who holds the admin key."""
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": metadata(owner, f"{owner.name}-admin-key", labels(owner, APP, COMPONENT)),
-        "type": "Opaque",
-        "stringData": {ADMIN_KEY_SECRET_KEY: secrets.token_urlsafe(32)},
-    }
+    return generated_secret(
+        owner,
+        f"{owner.name}-admin-key",
+        ADMIN_KEY_SECRET_KEY,
+        secrets.token_urlsafe(32),
+        APP,
+        COMPONENT,
+    )
 
 
 def _secret_env(
