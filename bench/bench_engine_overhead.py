@@ -29,7 +29,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.append(str(ROOT))
 
-from session_server.engines import EngineClient, rendezvous_order  # noqa: E402
+from session_server.engine_replicas import rendezvous_order  # noqa: E402
+from session_server.engines import EngineClient  # noqa: E402
 
 PROMPT = list(range(1000, 3000))  # a 2000-token spliced prompt
 SAMPLING: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "max_tokens": 4096}

@@ -56,6 +56,7 @@ from bench_served import (
     _free_port,
     new_session,
     pct,
+    report_out,
     start_server,
     stop,
 )
@@ -359,10 +360,7 @@ def main() -> None:
         stop(engine_proc)
         shutil.rmtree(workdir, ignore_errors=True)
     text = report(rows, args.turns)
-    print(text)
-    if args.out:
-        with args.out.open("a") as fh:
-            fh.write("\n" + text)
+    report_out(text, args.out)
 
 
 if __name__ == "__main__":

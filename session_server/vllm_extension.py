@@ -32,14 +32,15 @@ from pathlib import Path
 from typing import Any
 
 KEY_VARIABLE = "TOKENKEEP_ENGINE_KEY"
-# What a kubelet or a load balancer probes without credentials; they change nothing.
-OPEN_PATHS = frozenset({"/health", "/ping"})
+# What a kubelet or a load balancer probes, and what Prometheus scrapes, without credentials;
+# they change nothing (SGLang's --api-key leaves the same paths open).
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})
 
 
 class EngineKey:
     """ASGI middleware: refuse (401, vLLM's error shape) any request without the engine key,
-    on every path but the health probes. Without `TOKENKEEP_ENGINE_KEY` it lets all through
-    (a local engine bound to 127.0.0.1)."""
+    on every path but the health probes and /metrics. Without `TOKENKEEP_ENGINE_KEY` it lets
+    all through (a local engine bound to 127.0.0.1)."""
 
     def __init__(self, app: Any) -> None:
         self.app = app

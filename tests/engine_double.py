@@ -13,7 +13,9 @@ Endpoints: `POST /inference/v1/generate` (stream and not), `POST /v1/completions
 prompt; for the client's fallback), `GET /health`, `GET /v1/models`, and with `dev_mode`
 (vLLM's `VLLM_SERVER_DEV_MODE=1`) `GET /weight_info` and `POST /update_weight_version`
 (`{"new_version": ...}`), which set the policy version reported in each choice's
-`weight_versions` (vLLM: `vllm/entrypoints/rl/online/api_router.py`).
+`weight_versions` (vLLM: `vllm/entrypoints/rl/online/api_router.py`). With `tokenize` set,
+`POST /tokenize` answers `{"tokens", "count", "max_model_len"}` as vLLM's does
+(`vllm/entrypoints/serve/tokenize/`); unset, 404 (an engine with no tokenize endpoint).
 
 MoE routing replay: with `routed_experts = (layers, top_k)` the double answers like vLLM
 started with `--enable-return-routed-experts` (vLLM 0.32,
@@ -215,6 +217,8 @@ class EngineDouble:
     completion. Streams report it when asked for usage (`stream_options.include_usage`)."""
     _computed: list[list[int]] = field(default_factory=list)
     report_prompt: Callable[[list[int]], list[int]] | None = None
+    tokenize: Callable[[str], list[int]] | None = None
+    """The engine's tokenizer, for `POST /tokenize` (`add_special_tokens` is false)."""
     """Rewrites the prompt reported back to the client (the prompt generated from is not)."""
     requests: list[RecordedRequest] = field(default_factory=list)
     samples: list[EngineSample] = field(default_factory=list)
@@ -261,6 +265,7 @@ class EngineDouble:
             self.requests_cancelled = 0
             self.generate_endpoint = True
             self.report_prompt = None
+            self.tokenize = None
             self.prefix_cache = False
             self._computed.clear()
 
@@ -317,6 +322,7 @@ class EngineDouble:
                 Route("/v1/models", self._models, methods=["GET"]),
                 Route("/weight_info", self._weight_info, methods=["GET"]),
                 Route("/update_weight_version", self._update_weight_version, methods=["POST"]),
+                Route("/tokenize", self._tokenize, methods=["POST"]),
             ]
         )
 
@@ -332,6 +338,14 @@ class EngineDouble:
         with self._lock:
             self.weight_version = str(version)
         return JSONResponse({"success": True, "new_version": version})
+
+    async def _tokenize(self, request: Request) -> Response:
+        if self.tokenize is None:
+            return JSONResponse({"detail": "Not Found"}, status_code=404)
+        tokens = self.tokenize((await request.json())["prompt"])
+        return JSONResponse(
+            {"tokens": tokens, "count": len(tokens), "max_model_len": self.max_model_len}
+        )
 
     async def _health(self, _request: Request) -> Response:
         return Response(status_code=200 if self.healthy else 503)
@@ -650,15 +664,23 @@ def _error_line(error: dict[str, Any]) -> str:
 
 
 def _sse(
-    lines: Iterator[str] | list[str],
+    lines: Iterator[str] | list[str] | AsyncIterator[str],
     media_type: str,
     chunk_delay_s: float = 0.0,
     on_close: Callable[[bool], None] | None = None,
 ) -> StreamingResponse:
+    async def each() -> AsyncIterator[str]:
+        if isinstance(lines, AsyncIterator):
+            async for line in lines:
+                yield line
+        else:
+            for line in lines:
+                yield line
+
     async def body() -> AsyncIterator[str]:
         finished = False
         try:
-            for line in lines:
+            async for line in each():
                 yield line
                 await asyncio.sleep(chunk_delay_s)
             yield "data: [DONE]\n\n"

@@ -28,12 +28,21 @@ at commit 0025436 (where `/health` is `/health_generate` and `/server_info` is n
   exceeds the context is refused with a 400 (the server does not clamp).
 The prompt's token ids are never echoed.
 
-Policy publishing (`policy/control.py::SglangControl`), read in `http_server.py` at commit
-0025436 and `io_struct.py`'s request classes:
-- `POST /pause_generation` (no body; the tokenizer manager sets `is_pause` and aborts every
-  request: recorded in `aborted` as "*"; `/generate` requests wait while paused) and
-  `POST /continue_generation`, both answering `{"message": "Generation paused|continued
-  successfully.", "status": "ok"}`;
+Policy publishing (`policy/control.py::SglangControl`), read in SGLang 0.5.23's
+`entrypoints/http_server.py`, `managers/io_struct.py`'s request classes and what
+`tokenizer_manager.py` / `scheduler.py` do with them:
+- `POST /pause_generation {"mode": "abort" | "retract" | "in_place"}` (`PauseGenerationReqInput`,
+  a required JSON body, `mode` defaulting to "abort"; 422 without a body or with another
+  mode) and `POST /continue_generation {}` (likewise a required body), both answering
+  `{"message": "Generation paused|continued successfully.", "status": "ok"}`. `/generate`
+  requests that arrive while paused wait. "abort" aborts every request (recorded in
+  `aborted` as "*"; the streams in flight are not cut here). "retract" freezes the streams
+  in flight between two tokens (SGLang moves them back to its waiting queue and frees their
+  KV) until continued: the tokens after it are sampled by whatever weights are loaded then,
+  and each finished reply's `meta_info.weight_versions` lists the spans
+  `[{"version", "start", "end"}]` (0.5.23's `compute_weight_version_spans`: one span per
+  version, `weight_version` the last one's). "in_place" freezes the same way here; its
+  kept KV (and SGLang's refusal to flush it) is not modelled: tokenkeep never sends it;
 - `POST /update_weights_from_disk` (`UpdateWeightFromDiskReqInput`: `model_path`,
   `load_format`, `abort_all_requests`, `weight_version`): 200 `{"success": true, "message":
   "Succeeded to update model weights.[ Weight version updated to v.]",
@@ -48,7 +57,22 @@ Policy publishing (`policy/control.py::SglangControl`), read in `http_server.py`
   `{"success": true, "message": "Weight version updated to v", "new_version": v}`;
 - `GET /get_weight_version` -> `{"weight_version"}` ("default" at start, as
   `server_args.weight_version`).
-`loaded` is the folder last loaded (None: the base weights), `flushes` counts cache flushes,
+- `POST /init_weights_update_group` (`InitWeightsUpdateGroupReqInput`: `master_address`,
+  `master_port`, `rank_offset`, `world_size`, `group_name`, `backend`): each tensor-parallel
+  worker joins at rank `rank_offset + tp_rank` (`model_runner_components/weight_updater.py`)
+  and the call answers once the whole group has met (`tests/engine_double_transfer.py`'s
+  `NcclGroup` is the rendezvous, the test's trainer rank 0): 200 `{"success": true,
+  "message"}`, or 400 `{"success": false, "message"}`;
+- `POST /update_weights_from_distributed` (`UpdateWeightsFromDistributedReqInput`: `names`,
+  `dtypes`, `shapes`, `group_name`, `flush_cache`, `abort_all_requests`, `weight_version`):
+  blocks until rank 0's broadcast of those tensors arrives, loads them (the broadcast's
+  label becomes `loaded`), flushes the cache when asked; 400 `success: false` without a
+  group or when the broadcast's names differ;
+- `POST /destroy_weights_update_group {"group_name"}`: the group is gone;
+- `/server_info` reports `tp_size`, `pp_size`, `dp_size` (the ranks a replica takes).
+`fail` maps one of these three paths to a status it answers once (an injected failure).
+`pause_mode` is the mode of the pause in force (None: not paused). `loaded` is the folder last
+loaded (None: the base weights), `flushes` counts cache flushes,
 `control` records each control call's path and body. `restart()` is a restart at the same
 address: base weights, version "default", not paused.
 
@@ -61,7 +85,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,6 +103,7 @@ from tests.engine_double import (
     _interleaved,
     _sse,
 )
+from tests.engine_double_transfer import NcclGroup
 
 GENERATE_PATH = "/generate"
 ABORT_PATH = "/abort_request"
@@ -128,6 +153,17 @@ def _error(message: str, status: int = 400) -> JSONResponse:
     return JSONResponse({"error": {"message": message}}, status_code=status)
 
 
+def _failed(message: str, status: int = 400) -> JSONResponse:
+    """A weight-update call that failed, as SGLang's HTTP server answers it."""
+    return JSONResponse({"success": False, "message": message}, status_code=status)
+
+
+def _unprocessable(field_name: str, message: str) -> JSONResponse:
+    """FastAPI's answer to a body its request class refuses."""
+    detail = [{"type": "value_error", "loc": ["body", field_name], "msg": message}]
+    return JSONResponse({"detail": detail}, status_code=422)
+
+
 def _finish_reason(completion: ScriptedCompletion) -> dict[str, Any]:
     if completion.finish_reason == "length":
         return {"type": "length", "length": len(completion.token_ids)}
@@ -148,12 +184,20 @@ class SglangDouble(EngineDouble):
     """Answer like a server started with --incremental-streaming-output."""
     aborted: list[str] = field(default_factory=list)
     paused: bool = False
+    pause_mode: str | None = None
     busy: bool = False
     """Answer `/flush_cache` as an engine with running or waiting requests does."""
     loaded: str | None = None
     flushes: int = 0
     unreadable: set[str] = field(default_factory=set)
     control: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    tp_size: int = 1
+    pp_size: int = 1
+    dp_size: int = 1
+    group: NcclGroup | None = None
+    rank_offset: int = 0
+    received_round: int = 0
+    fail: dict[str, int] = field(default_factory=dict)
     recorded = SglangRequest
 
     def reset(self) -> None:
@@ -165,13 +209,17 @@ class SglangDouble(EngineDouble):
             self.flushes = 0
             self.unreadable.clear()
             self.control.clear()
+            self.fail.clear()
         self.restart()
 
     def restart(self) -> None:
         """What a restarted SGLang server at the same address serves: its base weights."""
         with self._lock:
             self.paused = False
+            self.pause_mode = None
             self.loaded = None
+            self.group = None
+            self.received_round = 0
             self.weight_version = "default"
 
     def _app(self) -> Starlette:
@@ -191,6 +239,11 @@ class SglangDouble(EngineDouble):
                 Route("/update_weights_from_disk", self._update_from_disk, methods=["POST"]),
                 Route("/update_weight_version", self._sglang_weight_version, methods=["POST"]),
                 Route("/flush_cache", self._flush_cache, methods=["GET", "POST"]),
+                Route("/init_weights_update_group", self._init_group, methods=["POST"]),
+                Route(
+                    "/update_weights_from_distributed", self._update_distributed, methods=["POST"]
+                ),
+                Route("/destroy_weights_update_group", self._destroy_group, methods=["POST"]),
             ]
         )
 
@@ -204,17 +257,31 @@ class SglangDouble(EngineDouble):
     async def _get_weight_version(self, _request: Request) -> Response:
         return JSONResponse({"weight_version": self.weight_version})
 
+    async def _required_body(self, request: Request) -> dict[str, Any] | None:
+        """The control body as FastAPI's `Body()` takes it: a JSON object, or None (a 422)."""
+        if not (await request.body()).strip():
+            return None
+        body = await self._control_body(request)
+        return body if isinstance(body, dict) else None
+
     async def _pause_generation(self, request: Request) -> Response:
-        await self._control_body(request)  # 0025436 reads no body
+        body = await self._required_body(request)
+        mode = None if body is None else body.get("mode", "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            return _unprocessable("mode", "Input should be 'abort', 'retract' or 'in_place'")
         with self._lock:
             self.paused = True
-            self.aborted.append("*")  # abort_request(abort_all=True)
+            self.pause_mode = mode
+            if mode == "abort":
+                self.aborted.append("*")  # abort_request(abort_all=True)
         return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
 
     async def _continue_generation(self, request: Request) -> Response:
-        await self._control_body(request)
+        if await self._required_body(request) is None:
+            return _unprocessable("body", "Field required")
         with self._lock:
             self.paused = False
+            self.pause_mode = None
         return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
 
     async def _update_from_disk(self, request: Request) -> Response:
@@ -242,6 +309,57 @@ class SglangDouble(EngineDouble):
                 self.weight_version = str(body["weight_version"])
                 message += f" Weight version updated to {self.weight_version}."
         return JSONResponse({"success": True, "message": message, "num_paused_requests": 0})
+
+    def _injected(self, path: str) -> JSONResponse | None:
+        status = self.fail.pop(path, None)
+        if status is None:
+            return None
+        return _failed(f"injected failure of {path}", status)
+
+    async def _init_group(self, request: Request) -> Response:
+        body = await self._control_body(request)
+        failed = self._injected(request.url.path)
+        if failed is not None:
+            return failed
+        group = NcclGroup.groups.get((body.get("master_address"), body.get("master_port")))
+        if group is None or body.get("world_size") != group.world_size:
+            return _failed("Failed to init process group: no such rendezvous")
+        ranks = [body["rank_offset"] + tp_rank for tp_rank in range(self.tp_size)]
+        try:
+            await asyncio.to_thread(group.join, ranks)
+        except (RuntimeError, TimeoutError) as error:
+            return _failed(f"Failed to init process group: {error}")
+        self.group, self.rank_offset, self.received_round = group, body["rank_offset"], 0
+        return JSONResponse({"success": True, "message": "Succeeded to init process group."})
+
+    async def _update_distributed(self, request: Request) -> Response:
+        body = await self._control_body(request)
+        failed = self._injected(request.url.path)
+        if failed is not None:
+            return failed
+        if self.group is None:
+            return _failed("Failed to update parameter online: the group is not initialized")
+        ranks = [self.rank_offset + tp_rank for tp_rank in range(self.tp_size)]
+        try:
+            self.received_round, payload = await asyncio.to_thread(
+                self.group.receive, ranks, self.received_round
+            )
+        except TimeoutError as error:
+            return _failed(f"Failed to update parameter online: {error}")
+        if body.get("names") != payload["names"]:
+            return _failed("Failed to update parameter online: the broadcast's names differ")
+        with self._lock:
+            self.loaded = payload["weights"]
+            if body.get("flush_cache", True):
+                self.flushes += 1
+            if body.get("weight_version") is not None:
+                self.weight_version = str(body["weight_version"])
+        return JSONResponse({"success": True, "message": "Succeeded to update parameter online."})
+
+    async def _destroy_group(self, request: Request) -> Response:
+        await self._control_body(request)
+        self.group = None
+        return JSONResponse({"success": True, "message": "Succeeded to destroy the group."})
 
     async def _sglang_weight_version(self, request: Request) -> Response:
         body = await self._control_body(request)
@@ -291,7 +409,10 @@ class SglangDouble(EngineDouble):
                 "incremental_streaming_output": self.incremental,
                 "skip_tokenizer_init": False,
                 "weight_version": self.weight_version,
-                "version": "0.5.3",
+                "tp_size": self.tp_size,
+                "pp_size": self.pp_size,
+                "dp_size": self.dp_size,
+                "version": "0.5.23",
             }
         )
 
@@ -381,13 +502,14 @@ class SglangDouble(EngineDouble):
             logprobs=bool(body.get("return_logprob")),
             trim_stop=not sampling.get("no_stop_trim", False),
             weight_version=self.weight_version,
+            versions=[[self.weight_version] * len(c.token_ids) for c in completions],
             cached=self._cache(prompt, completions) if self.prefix_cache else 0,
         )
         if not stream:
             outs = [reply.out(i, len(c.token_ids), True) for i, c in enumerate(completions)]
             return JSONResponse(outs if n > 1 else outs[0])
         return _sse(
-            reply.chunks(incremental=self.incremental, indexed=n > 1),
+            reply.chunks(self, incremental=self.incremental, indexed=n > 1),
             media_type="text/event-stream",
             chunk_delay_s=self.chunk_delay_s,
             on_close=self._stream_ended,
@@ -402,6 +524,9 @@ class _Reply:
     logprobs: bool
     trim_stop: bool
     weight_version: str
+    """The version when the request came (a reply with no tokens reports it)."""
+    versions: list[list[str]]
+    """Each sample's tokens' weight versions (a stream sets each as it samples the token)."""
     cached: int
 
     def out(self, index: int, upto: int, finished: bool, start: int = 0) -> dict[str, Any]:
@@ -412,15 +537,18 @@ class _Reply:
         reason = _finish_reason(completion) if finished else None
         if reason is not None and self.trim_stop and isinstance(reason.get("matched"), int) and ids:
             ids = ids[:-1]  # detokenizer_manager.trim_matched_stop: ids, not the logprobs
+        versions = self.versions[index][:upto]
         meta: dict[str, Any] = {
             "id": self.rids[index],
             "finish_reason": reason,
             "prompt_tokens": len(self.prompt),
-            "weight_version": self.weight_version,
+            "weight_version": versions[-1] if versions else self.weight_version,
             "completion_tokens": upto,
             "cached_tokens": self.cached,
             "e2e_latency": 0.01,
         }
+        if finished:
+            meta["weight_versions"] = _spans(versions)
         if self.logprobs:
             meta["input_token_logprobs"] = [[None, self.prompt[-1], None]]
             meta["output_token_logprobs"] = [
@@ -429,14 +557,31 @@ class _Reply:
             ]
         return {"text": "".join(f"token_id:{t}" for t in ids), "output_ids": ids, "meta_info": meta}
 
-    def chunks(self, *, incremental: bool, indexed: bool) -> Iterator[str]:
+    async def chunks(
+        self, double: SglangDouble, *, incremental: bool, indexed: bool
+    ) -> AsyncIterator[str]:
         for index, position in _interleaved(self.completions):
+            while double.paused and double.pause_mode != "abort":
+                await asyncio.sleep(0.01)  # frozen by a retract pause until continued
+            if position < len(self.versions[index]):
+                self.versions[index][position] = double.weight_version  # the weights sampling it
             total = len(self.completions[index].token_ids)
             upto = min(position + 1, total)
             out = self.out(index, upto, position >= total - 1, position if incremental else 0)
             if indexed:
                 out["index"] = index
             yield f"data: {json.dumps(out, separators=(',', ':'))}\n\n"
+
+
+def _spans(versions: list[str]) -> list[dict[str, Any]]:
+    """Per-token versions as SGLang's `weight_versions`: one span per run of one version."""
+    spans: list[dict[str, Any]] = []
+    for position, version in enumerate(versions):
+        if spans and spans[-1]["version"] == version:
+            spans[-1]["end"] = position + 1
+        else:
+            spans.append({"version": version, "start": position, "end": position + 1})
+    return spans
 
 
 @pytest.fixture(scope="session")

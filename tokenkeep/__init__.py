@@ -1,7 +1,7 @@
 """Python client for the tokenkeep session server: sessions for rollouts, finished rollouts
 with rewards, and their token-exact trajectories as objects or NumPy arrays."""
 
-from tokenkeep.client import AsyncClient, Client, TokenkeepError
+from tokenkeep.client import AsyncClient, Client, PolicyTransfer, TokenkeepError
 from tokenkeep.types import (
     Aborted,
     Batch,
@@ -27,6 +27,7 @@ __all__ = [
     "Finish",
     "FinishedSession",
     "Policy",
+    "PolicyTransfer",
     "ReplicaPolicy",
     "Row",
     "Segment",

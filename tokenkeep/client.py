@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Literal, TypedDict, Unpack
+from typing import Any, Literal, Protocol, TypedDict, Unpack
 
 import httpx
 
@@ -117,6 +117,105 @@ PUBLISH_TIMEOUT_S = 900.0
 def _publish(version: str | int, path: str, pause: Pause, force: bool) -> _Call:
     body = {"version": version, "source": {"path": path}, "pause": pause, "force": force}
     return _Call("POST", "/policy", json=body)
+
+
+class TrainerEngine(Protocol):
+    """vLLM's trainer-side weight transfer engine (`NCCLTrainerWeightTransferEngine` and
+    the others `WeightTransferTrainerFactory` builds), made with `client=` a
+    `PolicyTransfer`."""
+
+    client: Any
+
+    def send_weights(self) -> None: ...
+
+
+class PolicyTransfer:
+    """vLLM's `VLLMWeightSyncClient` (the four calls its trainer-side engines make:
+    `vllm/distributed/weight_transfer/base.py`) spoken to tokenkeep, which makes each on
+    every engine replica at once: the trainer's one group spans the whole fleet (each
+    replica's ranks assigned by tokenkeep), and a publish moves every replica.
+
+        transfer = tk.policy_transfer()
+        engine = NCCLTrainerWeightTransferEngine.trainer_init(
+            NCCLTrainerInitInfo(master_address=ADDR, master_port=PORT,
+                                world_size=transfer.world_size(), rank=0),
+            client=transfer, source=ModuleSource(model))
+        tk.publish_policy(step, transfer=engine)  # each step
+
+    The engine calls `start_weight_update` (every replica paused and ready: only then does
+    it broadcast), `update_weights` concurrently with its broadcast, `finish_weight_update`
+    (the version, checksums, resume). Its own calls go to one session server (a publish's
+    calls must reach the same one)."""
+
+    def __init__(self, base_url: str | httpx.URL, headers: httpx.Headers) -> None:
+        self._http = httpx.Client(base_url=base_url, headers=headers, timeout=PUBLISH_TIMEOUT_S)
+        self._next: dict[str, Any] | None = None
+        self._published: Policy | None = None
+
+    def __enter__(self) -> PolicyTransfer:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def _post(self, path: str, body: dict[str, Any] | None = None) -> Any:
+        response = self._http.post(path, json=body)
+        _raise_for(response.status_code, response.content)
+        return response.json() if response.content else None
+
+    def world_size(self) -> int:
+        """The trainer's rank 0 plus every engine replica's workers: the group's size."""
+        response = self._http.get("/policy/transfer")
+        _raise_for(response.status_code, response.content)
+        answer = response.json()
+        if answer["world_size"] is None:
+            reasons = [answer.get("reason")] + [r.get("reason") for r in answer["replicas"]]
+            raise TokenkeepError(409, "; ".join(r for r in reasons if r))
+        size: int = answer["world_size"]
+        return size
+
+    def publish(
+        self, version: str | int, pause: Pause, force: bool, send: Callable[[], None]
+    ) -> Policy:
+        """Run `send` (the trainer engine's `send_weights`) as the publish of `version`."""
+        self._next = {"version": version, "pause": pause, "force": force}
+        self._published = None
+        try:
+            send()
+        finally:
+            self._next = None
+        if self._published is None:
+            raise TokenkeepError(500, "send_weights returned without finishing the update")
+        return self._published
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self._post("/policy/transfer/init", {"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        if self._next is None:
+            raise TokenkeepError(
+                400, "no version to publish: call publish_policy(version, transfer=engine)"
+            )
+        body = {**self._next, "source": {"transfer": {}}}
+        self._post("/policy", body)
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        self._post("/policy/transfer/update", {"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        """`weight_version` is ignored: the version is the one `publish_policy` was given."""
+        self._published = Policy.from_json(self._post("/policy/transfer/finish"))
+
+
+def _engine_transfer(engine: TrainerEngine) -> PolicyTransfer:
+    if not isinstance(engine.client, PolicyTransfer):
+        raise TypeError(
+            "transfer= takes vLLM's trainer engine made with client=tk.policy_transfer()"
+        )
+    return engine.client
 
 
 def _list(
@@ -266,18 +365,36 @@ class Client:
         return response.json() if response.content else None
 
     def publish_policy(
-        self, version: str | int, *, path: str, pause: Pause = "keep", force: bool = False
+        self,
+        version: str | int,
+        *,
+        path: str | None = None,
+        transfer: TrainerEngine | None = None,
+        pause: Pause = "keep",
+        force: bool = False,
     ) -> Policy:
-        """Publish the checkpoint folder `path` (Hugging Face layout, readable at that path
-        by every engine and the server) as policy `version` to every engine replica (admin
-        key). `pause`: in-flight generations are frozen and resumed on the new weights
-        (keep), finished on the old ones first (wait) or ended (abort). TokenkeepError: 409
-        (not newer than the published version, without `force`; another publish running),
-        400/422 (unreadable checkpoint; one that does not fit the served model: no engine
-        touched), 502/504 (a replica failed: the others serve `version`, it is fenced)."""
+        """Publish policy `version` to every engine replica (admin key), from the checkpoint
+        folder `path` (Hugging Face layout, readable at that path by every engine and the
+        server) or sent by `transfer`, vLLM's trainer-side engine made with
+        `client=self.policy_transfer()` (its `send_weights` runs here). `pause`: in-flight
+        generations are frozen and resumed on the new weights (keep), finished on the old
+        ones first (wait) or ended (abort). TokenkeepError: 409 (not newer than the
+        published version, without `force`; another publish running; a transfer group
+        broken or missing), 400/422 (unreadable checkpoint; one that does not fit the served
+        model: no engine touched), 502/504 (a replica failed: the others serve `version`, it
+        is fenced)."""
+        if (path is None) == (transfer is None):
+            raise TypeError("publish_policy takes one of path= and transfer=")
+        if transfer is not None:
+            return _engine_transfer(transfer).publish(version, pause, force, transfer.send_weights)
+        assert path is not None
         return Policy.from_json(
             self._send(_publish(version, path, pause, force), timeout=PUBLISH_TIMEOUT_S)
         )
+
+    def policy_transfer(self) -> PolicyTransfer:
+        """vLLM's `VLLMWeightSyncClient` for its trainer-side engine (see `PolicyTransfer`)."""
+        return PolicyTransfer(self._http.base_url, self._http.headers)
 
     def policy(self) -> Policy:
         """The published policy and what each engine replica serves."""
@@ -439,11 +556,29 @@ class AsyncClient:
         return response.json() if response.content else None
 
     async def publish_policy(
-        self, version: str | int, *, path: str, pause: Pause = "keep", force: bool = False
+        self,
+        version: str | int,
+        *,
+        path: str | None = None,
+        transfer: TrainerEngine | None = None,
+        pause: Pause = "keep",
+        force: bool = False,
     ) -> Policy:
-        """`Client.publish_policy`."""
+        """`Client.publish_policy` (a transfer's `send_weights` runs in a thread)."""
+        if (path is None) == (transfer is None):
+            raise TypeError("publish_policy takes one of path= and transfer=")
+        if transfer is not None:
+            sync = _engine_transfer(transfer)
+            return await asyncio.to_thread(
+                sync.publish, version, pause, force, transfer.send_weights
+            )
+        assert path is not None
         call = _publish(version, path, pause, force)
         return Policy.from_json(await self._send(call, timeout=PUBLISH_TIMEOUT_S))
+
+    def policy_transfer(self) -> PolicyTransfer:
+        """`Client.policy_transfer` (blocking: vLLM's trainer engines call it from threads)."""
+        return PolicyTransfer(self._http.base_url, self._http.headers)
 
     async def policy(self) -> Policy:
         return Policy.from_json(await self._send(_Call("GET", "/policy")))

@@ -64,6 +64,7 @@ KINDS = [
         status=models.ModelServerStatus,
         printer_columns=[
             {"name": "Model", "type": "string", "jsonPath": ".spec.model.uri"},
+            {"name": "Engine", "type": "string", "jsonPath": ".spec.engine.kind"},
             {"name": "GPUs", "type": "integer", "jsonPath": ".spec.resources.gpus"},
             {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},
             {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},

@@ -88,6 +88,9 @@ async def session_server_event(namespace: str, name: str, memo: kopf.Memo, **_: 
 @kopf.on.event("v1", "serviceaccounts", labels=MANAGED)
 @kopf.on.event("policy", "poddisruptionbudgets", labels=MANAGED)
 @kopf.on.event("networking.k8s.io", "networkpolicies", labels=MANAGED)
+# A multi-node engine's status. Where its CRD is not installed Kopf serves the others and
+# starts watching this one once the CRD appears.
+@kopf.on.event("leaderworkerset.x-k8s.io", "v1", "leaderworkersets", labels=MANAGED)
 async def child_changed(labels: dict[str, str], namespace: str, memo: kopf.Memo, **_: Any) -> None:
     for label, kind in OWNER_LABELS.items():
         owner = labels.get(label)

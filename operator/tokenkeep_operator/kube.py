@@ -20,6 +20,7 @@ PLURALS = {
     "Deployment": "deployments",
     "Event": "events",
     "Lease": "leases",
+    "LeaderWorkerSet": "leaderworkersets",
     "ModelServer": "modelservers",
     "NetworkPolicy": "networkpolicies",
     "PersistentVolumeClaim": "persistentvolumeclaims",
@@ -32,8 +33,11 @@ PLURALS = {
     "StatefulSet": "statefulsets",
 }
 MERGE_PATCH = "application/merge-patch+json"
-# How long what the API server serves (discovery) is trusted before asking again.
+# How long what the API server serves (discovery) is trusted before asking again; a kind
+# found missing is asked for again sooner, so that a CRD installed later (LeaderWorkerSet)
+# is noticed within seconds.
 DISCOVERY_TTL_SECONDS = 300
+MISSING_RECHECK_SECONDS = 10
 COMPONENT = "tokenkeep-operator"
 
 logger = logging.getLogger(__name__)
@@ -158,7 +162,8 @@ class Kube:
         """Whether the API server serves `kind` in `api_version` (discovery, cached)."""
         with self._served_lock:
             checked, kinds = self._served.get(api_version, (0.0, set()))
-            if time.monotonic() - checked > DISCOVERY_TTL_SECONDS:
+            ttl = DISCOVERY_TTL_SECONDS if kind in kinds else MISSING_RECHECK_SECONDS
+            if time.monotonic() - checked > ttl:
                 base = f"/api/{api_version}" if "/" not in api_version else f"/apis/{api_version}"
                 try:
                     found = self._call("GET", base)

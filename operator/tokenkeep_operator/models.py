@@ -22,6 +22,10 @@ API_VERSION = f"{GROUP}/{VERSION}"
 # vLLM release whose OpenAI server has `--enable-scale-out` (token-in `/inference/v1/generate`)
 # and `--shutdown-timeout`; the same version the session server is tested against.
 DEFAULT_VLLM_IMAGE = "vllm/vllm-openai:v0.32.0"
+# SGLang release whose server arguments and HTTP routes the operator renders and the session
+# server's SGLang client honours (read from its wheel: server_args.py, http_server.py); the
+# release tag of its CUDA 13 image (the last CUDA 12 tag is v0.5.19-cu129).
+DEFAULT_SGLANG_IMAGE = "lmsysorg/sglang:v0.5.23"
 DEFAULT_REDIS_IMAGE = "redis:7.4-alpine"
 # Children append suffixes such as `-engine-pods` (10 characters) to the resource name and
 # Service names are DNS labels (63 characters at most).
@@ -154,18 +158,30 @@ class ModelCache(CRDModel):
         "ReadWriteOnce",
         description=(
             "ReadWriteMany lets replicas on different nodes share one cache; with ReadWriteOnce "
-            "every replica must be scheduled on the node that holds the volume."
+            "every replica must be scheduled on the node that holds the volume. A multi-node "
+            "engine (parallelism.nodes > 1) gets one claim per pod (cache-<pod>) instead."
         ),
     )
     retain: bool = Field(False, description="Keep the PVC when the ModelServer is deleted.")
 
 
 class Engine(CRDModel):
-    """The vLLM server each replica runs (`vllm serve MODEL ...`)."""
+    """The engine server each replica runs: `vllm serve MODEL ...` (kind vllm) or
+    `python3 -m sglang.launch_server --model-path MODEL ...` (kind sglang)."""
 
-    image: str = Field(DEFAULT_VLLM_IMAGE, description="vLLM OpenAI server image.")
+    kind: Literal["vllm", "sglang"] = Field(
+        "vllm",
+        description="Which engine serves the model: vllm, or sglang (SGLang 0.5.23's server; "
+        "one node, GPUs only). The session servers of this ModelServer speak its wire format "
+        "(TOKENKEEP_ENGINE_KIND).",
+    )
+    image: str | None = Field(
+        None,
+        description=f"Engine image. Unset: {DEFAULT_VLLM_IMAGE} (vllm) or "
+        f"{DEFAULT_SGLANG_IMAGE} (sglang).",
+    )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = Field(
-        "IfNotPresent", description="Image pull policy of the vLLM container."
+        "IfNotPresent", description="Image pull policy of the engine container."
     )
     tensor_parallel_size: int = Field(
         1,
@@ -177,13 +193,21 @@ class Engine(CRDModel):
     max_model_len: int | None = Field(
         None, ge=1, description="--max-model-len; the model's own if unset."
     )
-    gpu_memory_utilization: float = Field(
-        0.9, gt=0, le=1, description="--gpu-memory-utilization, in (0, 1]."
+    gpu_memory_utilization: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="GPU memory fraction, in (0, 1]: vLLM's --gpu-memory-utilization (unset: "
+        "0.9), SGLang's --mem-fraction-static (unset: SGLang's own choice for the GPU).",
     )
     tool_call_parser: str | None = Field(
-        None, description="vLLM tool-call parser; also turns on --enable-auto-tool-choice."
+        None,
+        description="--tool-call-parser, by the engine's own parser names (vLLM: also turns "
+        "on --enable-auto-tool-choice).",
     )
-    reasoning_parser: str | None = Field(None, description="--reasoning-parser of vLLM.")
+    reasoning_parser: str | None = Field(
+        None, description="--reasoning-parser, by the engine's own parser names."
+    )
     return_routed_experts: bool = Field(
         False,
         description=(
@@ -192,11 +216,16 @@ class Engine(CRDModel):
         ),
     )
     extra_args: list[str] = Field(
-        default_factory=list, description="Appended to the vLLM command line."
+        default_factory=list, description="Appended to the engine's command line."
     )
     env: list[EnvVar] = Field(
-        default_factory=list, description="Extra environment of the vLLM container."
+        default_factory=list, description="Extra environment of the engine container."
     )
+
+    @property
+    def image_or_default(self) -> str:
+        """The image the engine pods run: the one named, else the kind's pinned release."""
+        return self.image or (DEFAULT_SGLANG_IMAGE if self.kind == "sglang" else DEFAULT_VLLM_IMAGE)
 
 
 class GPUResources(CRDModel):
@@ -241,14 +270,16 @@ class CheckpointVolume(CRDModel):
 
 
 class Policy(CRDModel):
-    """Policy publishing (the session server's POST /policy): vLLM's development endpoints
-    (VLLM_SERVER_DEV_MODE=1), tokenkeep's exact in-place reload and an engine key that every
-    request but /health needs (vLLM's --api-key leaves those endpoints open)."""
+    """Policy publishing (the session server's POST /policy): on vLLM its development
+    endpoints (VLLM_SERVER_DEV_MODE=1), tokenkeep's exact in-place reload and an engine key
+    that every request but /health needs (vLLM's --api-key leaves those endpoints open); on
+    SGLang its own weight-update endpoints behind --api-key (the same engine key)."""
 
     publishing: bool = Field(
         True,
         description="Start the engines ready to publish to. false: plain `vllm serve`, no "
-        "development endpoints, no engine key.",
+        "development endpoints, no engine key (SGLang serves its weight-update endpoints "
+        "always: without a key they are open to whatever the NetworkPolicy admits).",
     )
     engine_key_secret_ref: SecretKeyRef | None = Field(
         None,
@@ -257,12 +288,6 @@ class Policy(CRDModel):
         "engine-key.",
     )
     checkpoints: CheckpointVolume | None = Field(None, description=CheckpointVolume.__doc__)
-
-
-MULTI_NODE_NOT_BUILT = (
-    "a multi-node engine, which is not built yet (LeaderWorkerSet, issue 35): set "
-    "parallelism.nodes to 1 and fit the model on one node"
-)
 
 
 class Parallelism(CRDModel):
@@ -299,9 +324,11 @@ class Parallelism(CRDModel):
         1,
         ge=1,
         le=64,
-        description="Pods (nodes) per engine replica. Only 1 for now: multi-node engines "
-        "(LeaderWorkerSet) are not built yet and are refused.",
-        json_schema_extra=cel("self == 1", f"nodes > 1 asks for {MULTI_NODE_NOT_BUILT}"),
+        description="Pods (nodes) per engine replica. Above 1 (vLLM only), each replica is a "
+        "LeaderWorkerSet group (leaderworkerset.x-k8s.io/v1, its controller installed "
+        "separately) of this many pods: the leader serves the API, the workers run headless. "
+        "Either the tensor x pipeline ranks span the nodes (data 1), or every node holds whole "
+        "data-parallel ranks (data a multiple of nodes).",
     )
 
 
@@ -344,6 +371,24 @@ class PodTemplate(CRDModel):
         return self
 
 
+MULTI_NODE_NEEDS_GPUS = (
+    "a multi-node engine (parallelism.nodes > 1) needs resources.gpus per pod: vLLM spreads "
+    "GPU ranks over the nodes"
+)
+
+SGLANG_ONE_NODE = (
+    "a multi-node SGLang engine (--nnodes, --node-rank, --dist-init-addr) is not built: set "
+    "parallelism.nodes to 1"
+)
+SGLANG_NO_ROUTES = (
+    "the session server cannot read SGLang's routed experts (raw bytes without a shape), so "
+    "sessions would store none: set engine.returnRoutedExperts to false or use engine.kind vllm"
+)
+SGLANG_NEEDS_GPUS = (
+    "resources.gpus 0 (a CPU engine) is vLLM's CPU build only; SGLang's CPU backend needs its "
+    "own image and is not built: give the engine GPUs or use engine.kind vllm"
+)
+
 # CEL rules of ModelServerSpec, beside `_gpus_fit_parallelism` which mirrors them.
 _TENSOR = (
     "(has(self.parallelism.tensor) ? self.parallelism.tensor : self.engine.tensorParallelSize)"
@@ -363,10 +408,33 @@ MODELSERVER_RULES = [
         "(on one node: leave dataLocal unset)",
     },
     {
+        "rule": "self.parallelism.nodes == 1 || self.resources.gpus > 0",
+        "message": MULTI_NODE_NEEDS_GPUS,
+    },
+    {
+        "rule": "self.parallelism.nodes == 1 || self.parallelism.data == 1 || "
+        "self.parallelism.data % self.parallelism.nodes == 0",
+        "message": "parallelism.data must be 1 (tensor x pipeline span the nodes) or a multiple "
+        "of parallelism.nodes (whole data-parallel ranks on every node)",
+    },
+    {
         "rule": "!has(self.parallelism.tensor) || self.engine.tensorParallelSize == 1 || "
         "self.engine.tensorParallelSize == self.parallelism.tensor",
         "message": "engine.tensorParallelSize and parallelism.tensor disagree: remove "
         "engine.tensorParallelSize (parallelism.tensor replaces it)",
+    },
+    # What an SGLang ModelServer cannot be given; `_sglang_can_honour` mirrors them.
+    {
+        "rule": "self.engine.kind != 'sglang' || self.parallelism.nodes == 1",
+        "message": f"engine.kind sglang: {SGLANG_ONE_NODE}",
+    },
+    {
+        "rule": "self.engine.kind != 'sglang' || self.resources.gpus > 0",
+        "message": f"engine.kind sglang: {SGLANG_NEEDS_GPUS}",
+    },
+    {
+        "rule": "self.engine.kind != 'sglang' || !self.engine.returnRoutedExperts",
+        "message": f"engine.kind sglang: {SGLANG_NO_ROUTES}",
     },
 ]
 
@@ -406,12 +474,40 @@ class ModelServerSpec(CRDModel):
         return self.parallelism.tensor or self.engine.tensor_parallel_size
 
     @model_validator(mode="after")
+    def _sglang_can_honour(self) -> ModelServerSpec:
+        """Mirrors the sglang rules of MODELSERVER_RULES; runs first, so that an SGLang
+        resource is told what SGLang lacks rather than what vLLM would need."""
+        if self.engine.kind != "sglang":
+            return self
+        if self.parallelism.nodes != 1:
+            raise ValueError(
+                f"parallelism.nodes: {self.parallelism.nodes} with engine.kind sglang: "
+                f"{SGLANG_ONE_NODE}"
+            )
+        if self.resources.gpus == 0:
+            raise ValueError(f"resources.gpus: 0 with engine.kind sglang: {SGLANG_NEEDS_GPUS}")
+        if self.engine.return_routed_experts:
+            raise ValueError(
+                f"engine.returnRoutedExperts: true with engine.kind sglang: {SGLANG_NO_ROUTES}"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _gpus_fit_parallelism(self) -> ModelServerSpec:
         """Mirrors MODELSERVER_RULES; each message names the fields to change."""
         par, gpus = self.parallelism, self.resources.gpus
         tensor = self.tensor_parallel_size
-        if par.nodes != 1:
-            raise ValueError(f"parallelism.nodes: {par.nodes} asks for {MULTI_NODE_NOT_BUILT}")
+        if par.nodes > 1 and not gpus:
+            raise ValueError(f"resources.gpus: {MULTI_NODE_NEEDS_GPUS}")
+        if par.nodes > 1 and par.data > 1 and par.data % par.nodes:
+            # vLLM 0.32 infers each node's ranks from --node-rank (see manifests/engine.py):
+            # a data-parallel rank may not straddle a node boundary, and a rank spanning
+            # several nodes would need a master address per rank, not one per group.
+            raise ValueError(
+                f"parallelism.data: {par.data} data-parallel ranks cannot be spread over "
+                f"{par.nodes} nodes; set spec.parallelism.data to 1 (tensor x pipeline span "
+                f"the nodes) or a multiple of {par.nodes} (whole ranks on every node)"
+            )
         if par.tensor is not None and self.engine.tensor_parallel_size not in (1, par.tensor):
             raise ValueError(
                 f"engine.tensorParallelSize: {self.engine.tensor_parallel_size} disagrees "
@@ -432,20 +528,23 @@ class ModelServerSpec(CRDModel):
 def _gpu_mismatch(gpus: int, tensor: int, par: Parallelism) -> str:
     """Why `gpus` per pod does not fit the parallelism, and the changes that would fit."""
     ranks = tensor * par.pipeline * par.data
-    said = (
-        f"{gpus} GPUs per pod, but tensor x pipeline x data = {tensor} x {par.pipeline} x "
-        f"{par.data} = {ranks}"
-    )
+    total = gpus * par.nodes
+    said = f"{gpus} GPUs per pod"
+    if par.nodes > 1:
+        said += f" x {par.nodes} nodes = {total}"
+    said += f", but tensor x pipeline x data = {tensor} x {par.pipeline} x {par.data} = {ranks}"
     fixes = []
     rest = tensor * par.pipeline
-    if gpus % rest == 0:
-        fixes.append(f"spec.parallelism.data: {gpus // rest} (data-parallel engine ranks)")
-    if gpus % (par.pipeline * par.data) == 0:
-        fixes.append(f"spec.parallelism.tensor: {gpus // (par.pipeline * par.data)}")
-    if gpus % (tensor * par.data) == 0 and gpus // (tensor * par.data) > 1:
-        before = " (what gpus alone rendered before)" if par.pipeline == par.data == 1 else ""
-        fixes.append(f"spec.parallelism.pipeline: {gpus // (tensor * par.data)}{before}")
-    fixes.append(f"spec.resources.gpus: {ranks}")
+    if total % rest == 0:
+        fixes.append(f"spec.parallelism.data: {total // rest} (data-parallel engine ranks)")
+    if total % (par.pipeline * par.data) == 0:
+        fixes.append(f"spec.parallelism.tensor: {total // (par.pipeline * par.data)}")
+    if total % (tensor * par.data) == 0 and total // (tensor * par.data) > 1:
+        alone = par.pipeline == par.data == par.nodes == 1
+        before = " (what gpus alone rendered before)" if alone else ""
+        fixes.append(f"spec.parallelism.pipeline: {total // (tensor * par.data)}{before}")
+    if ranks % par.nodes == 0:
+        fixes.append(f"spec.resources.gpus: {ranks // par.nodes}")
     return f"{said}; set {' or '.join(fixes)}"
 
 

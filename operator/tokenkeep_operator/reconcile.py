@@ -48,6 +48,15 @@ logger = logging.getLogger(__name__)
 # API (a PodDisruptionBudget needs policy/v1, Kubernetes >= 1.21; a NetworkPolicy
 # networking.k8s.io/v1, served since 1.7, but its absence must not keep the engines down).
 OPTIONAL_KINDS = {"PodDisruptionBudget", "NetworkPolicy"}
+# How often a multi-node ModelServer looks again for the LeaderWorkerSet API while it is not
+# served (installing its CRD changes nothing the operator watches).
+LWS_RECHECK_SECONDS = 10.0
+LWS_INSTALL_HINT = (
+    "parallelism.nodes > 1 runs each engine replica as a LeaderWorkerSet group, and this "
+    f"cluster does not serve {engine.LWS_API_VERSION}: install the LeaderWorkerSet "
+    "controller (kubectl apply --server-side -f https://github.com/kubernetes-sigs/lws/"
+    "releases/download/v0.10.0/manifests.yaml), or set parallelism.nodes to 1"
+)
 # The Event reason naming spec.podTemplate fields the operator's own values override.
 POD_TEMPLATE_CONFLICT = "PodTemplateConflict"
 # How often a SessionServer's status.policy is refreshed from its server's GET /policy (a
@@ -204,8 +213,7 @@ class Reconciler:
         """Seconds after which to reconcile this resource again with no event (a
         SessionServer's published policy), or None."""
         if kind == "ModelServer":
-            self.reconcile_model_server(namespace, name)
-            return None
+            return self.reconcile_model_server(namespace, name)
         return self.reconcile_session_server(namespace, name)
 
     def _apply_all(self, body: dict[str, Any], objects: list[dict[str, Any]]) -> list[str]:
@@ -263,22 +271,26 @@ class Reconciler:
         self._conflicts[uid] = message
         self.kube.post_event(body, "Warning", POD_TEMPLATE_CONFLICT, message)
 
-    def _delete_network_policy(self, body: dict[str, Any], name: str) -> list[str]:
-        """Delete the NetworkPolicy `name` if this resource owns it: turned off, a policy
-        left behind would go on refusing the peers the user now means to let in. A policy
-        of the same name that someone else made is left alone. Returns the refusal, if any."""
+    def _delete_owned(
+        self, body: dict[str, Any], api_version: str, kind: str, name: str
+    ) -> list[str]:
+        """Delete the child `kind` `name` if this resource owns it and the rendering no longer
+        has it: a NetworkPolicy turned off would go on refusing the peers the user now means
+        to let in; the engine's Deployment of a ModelServer turned multi-node (or its
+        LeaderWorkerSet, turned back) would go on holding GPUs. One of the same name that
+        someone else made is left alone. Returns the refusal, if any."""
         namespace = body["metadata"]["namespace"]
         try:
-            live = self.kube.get(NETWORK_POLICY_API_VERSION, "NetworkPolicy", namespace, name)
+            live = self.kube.get(api_version, kind, namespace, name)
             refs = (live or {}).get("metadata", {}).get("ownerReferences") or []
             if any(ref.get("uid") == body["metadata"]["uid"] for ref in refs):
-                self.kube.delete(NETWORK_POLICY_API_VERSION, "NetworkPolicy", namespace, name)
+                self.kube.delete(api_version, kind, namespace, name)
         except ApiException as error:
             if error.status == 404:  # gone meanwhile, or the API is not served
                 return []
             if _transient(error):
                 raise
-            return [f"NetworkPolicy {name}: {error_message(error)}"]
+            return [f"{kind} {name}: {error_message(error)}"]
         return []
 
     def _create_key(self, secret: dict[str, Any]) -> str | None:
@@ -334,19 +346,35 @@ class Reconciler:
 
     # --- ModelServer ---------------------------------------------------------------------
 
-    def reconcile_model_server(self, namespace: str, name: str) -> None:
+    def reconcile_model_server(self, namespace: str, name: str) -> float | None:
+        """Seconds after which to reconcile again with no event (a multi-node ModelServer
+        waiting for the LeaderWorkerSet API), or None."""
         with self._lock("ModelServer", namespace, name):
             body = self.kube.get_custom("ModelServer", namespace, name)
             if body is None:
-                return
+                return None
             spec, problems = validate(ModelServerSpec, body)
             refused: list[str] = []
-            if spec is not None:
+            multi_node = spec is not None and spec.parallelism.nodes > 1
+            lws_missing = multi_node and not self.kube.served(
+                engine.LWS_API_VERSION, engine.LWS_KIND
+            )
+            # Without the LWS API nothing is applied, as for an invalid spec: an engine that
+            # runs on one node (before nodes was raised) keeps serving until LWS is installed.
+            if spec is not None and not lws_missing:
                 owner = _owner(body)
                 # The key first: the engine pods (and the session servers') read it.
                 generated = spec.policy.publishing and spec.policy.engine_key_secret_ref is None
                 problem = self._create_key(engine.engine_key_secret(owner)) if generated else None
                 refused = self._apply_all(body, engine.render(owner, spec, self.default_image))
+                # The other engine workload, left from before nodes changed (where the LWS API
+                # is not served, getting an LWS finds nothing).
+                if multi_node:
+                    other = ("apps/v1", "Deployment", engine.deployment_name(name))
+                else:
+                    lws_name = engine.leader_worker_set_name(name)
+                    other = (engine.LWS_API_VERSION, engine.LWS_KIND, lws_name)
+                refused += self._delete_owned(body, *other)
                 self._report_conflicts(
                     body,
                     podtemplate.conflicts(
@@ -354,13 +382,25 @@ class Reconciler:
                     ),
                 )
                 if not spec.network_policy.enabled:
-                    refused += self._delete_network_policy(body, engine.deployment_name(name))
+                    refused += self._delete_owned(
+                        body,
+                        NETWORK_POLICY_API_VERSION,
+                        "NetworkPolicy",
+                        engine.deployment_name(name),
+                    )
                 if problem:
                     refused.append(problem)
-            self._finish(body, self.model_server_status(body, spec, problems), refused)
+            status = self.model_server_status(body, spec, problems, lws_missing=lws_missing)
+            self._finish(body, status, refused)
+            return LWS_RECHECK_SECONDS if lws_missing else None
 
     def model_server_status(
-        self, body: dict[str, Any], spec: ModelServerSpec | None, problems: list[str]
+        self,
+        body: dict[str, Any],
+        spec: ModelServerSpec | None,
+        problems: list[str],
+        *,
+        lws_missing: bool = False,
     ) -> dict[str, Any]:
         meta = body["metadata"]
         namespace, name, generation = meta["namespace"], meta["name"], meta.get("generation", 1)
@@ -373,15 +413,34 @@ class Reconciler:
         if spec is None:
             conditions = st.blocked_conditions(st.INVALID_SPEC, "; ".join(problems), generation)
             return {**base, "conditions": conditions}
-        deployment = self.kube.get("apps/v1", "Deployment", namespace, engine.deployment_name(name))
+        if lws_missing:
+            conditions = st.blocked_conditions(
+                st.LEADER_WORKER_SET_MISSING, LWS_INSTALL_HINT, generation
+            )
+            return {**base, "conditions": conditions}
+        if spec.parallelism.nodes > 1:
+            lws = self.kube.get(
+                engine.LWS_API_VERSION,
+                engine.LWS_KIND,
+                namespace,
+                engine.leader_worker_set_name(name),
+            )
+            controller = st.leader_worker_set_as_workload(lws)
+        else:
+            controller = self.kube.get(
+                "apps/v1", "Deployment", namespace, engine.deployment_name(name)
+            )
+        # Every engine pod, a multi-node group's workers too: any of them can be what blocks.
         pods = self.kube.list("v1", "Pod", namespace, selector_string(engine.pod_selector(owner)))
         claims = []
-        if spec.cache.enabled:
+        # A multi-node engine's cache claims are its pods' (volumeClaimTemplates): one that
+        # blocks shows in its pod's scheduling message.
+        if spec.cache.enabled and spec.parallelism.nodes == 1:
             claim = self.kube.get(
                 "v1", "PersistentVolumeClaim", namespace, engine.cache_claim_name(name)
             )
             claims = [claim] if claim else []
-        workload = st.Workload(deployment, pods, claims)
+        workload = st.Workload(controller, pods, claims)
         conditions = st.workload_conditions(
             workload,
             spec.replicas,
@@ -451,7 +510,12 @@ class Reconciler:
                     ),
                 )
                 if not spec.network_policy.enabled:
-                    refused += self._delete_network_policy(body, redis.statefulset_name(name))
+                    refused += self._delete_owned(
+                        body,
+                        NETWORK_POLICY_API_VERSION,
+                        "NetworkPolicy",
+                        redis.statefulset_name(name),
+                    )
                 if problem:
                     refused.append(problem)
             self._finish(body, self.session_server_status(body, inputs), refused)
@@ -524,37 +588,38 @@ class Reconciler:
             )
             conditions = [c for c in conditions if c["type"] != st.DEGRADED] + [replacement]
         counts = st.counts(workload)
-        policy = self.published_policy(namespace, name, spec, counts["readyReplicas"])
+        policy, answer = self.published_policy(namespace, name, spec, counts["readyReplicas"])
+        conditions += st.server_conditions(answer, generation)
         return {**base, **counts, "policy": policy, "conditions": conditions}
 
     def published_policy(
         self, namespace: str, name: str, spec: SessionServerSpec, ready: int
-    ) -> dict[str, Any]:
+    ) -> tuple[dict[str, Any], Any]:
         """status.policy, from the session server's GET /policy through its Service, asked
-        with the admin key. Never fails the reconcile: a server not ready, not reachable, an
-        unreadable key give `unknown` (with why), an image without the endpoint (404)
-        `unsupported`."""
+        with the admin key, and the answer itself (None where there is none; the
+        TokenizerMismatch and StoreFull conditions are read from it). Never fails the
+        reconcile: a server not ready, not reachable, an unreadable key give `unknown` (with
+        why), an image without the endpoint (404) `unsupported`."""
         if not ready:
-            return st.policy_unknown("no session server replica is ready")
+            return st.policy_unknown("no session server replica is ready"), None
         ref = session.admin_key_ref(name, spec)
         try:
             secret = self.kube.get("v1", "Secret", namespace, ref.name)
         except ApiException as error:
-            return st.policy_unknown(
-                f"admin key Secret {ref.name} not readable: {error_message(error)}"
-            )
+            message = f"admin key Secret {ref.name} not readable: {error_message(error)}"
+            return st.policy_unknown(message), None
         try:
             key = base64.b64decode(((secret or {}).get("data") or {})[ref.key]).decode()
         except (KeyError, binascii.Error, UnicodeDecodeError):
-            return st.policy_unknown(f"admin key Secret {ref.name} has no key {ref.key}")
+            return st.policy_unknown(f"admin key Secret {ref.name} has no key {ref.key}"), None
         url = f"{session.service_url(name, namespace)}/policy"
         try:
             code, answer = self.policy_asker(url, key)
         except OSError as error:
             reason = getattr(error, "reason", None) or error
-            return st.policy_unknown(f"GET {url}: {reason}")
+            return st.policy_unknown(f"GET {url}: {reason}"), None
         if code == 404:
-            return st.policy_unsupported(url)
+            return st.policy_unsupported(url), None
         if code != 200:
-            return st.policy_unknown(f"GET {url} answered {code}")
-        return st.policy_status(answer)
+            return st.policy_unknown(f"GET {url} answered {code}"), None
+        return st.policy_status(answer), answer

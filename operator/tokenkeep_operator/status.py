@@ -22,6 +22,7 @@ CRASH_LOOP = "CrashLoop"
 IMAGE_PULL_FAILED = "ImagePullFailed"
 INSUFFICIENT_GPU = "InsufficientGPU"
 INVALID_SPEC = "InvalidSpec"
+LEADER_WORKER_SET_MISSING = "LeaderWorkerSetMissing"
 LOADING_MODEL = "LoadingModel"
 MODEL_SERVER_NOT_FOUND = "ModelServerNotFound"
 MODEL_SERVER_NOT_READY = "ModelServerNotReady"
@@ -52,6 +53,17 @@ class Workload:
     controller: dict[str, Any] | None
     pods: list[dict[str, Any]] = field(default_factory=list)
     claims: list[dict[str, Any]] = field(default_factory=list)
+
+
+def leader_worker_set_as_workload(lws: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A LeaderWorkerSet read as the controller of a `Workload`: its status counts groups
+    (replicas, readyReplicas, updatedReplicas, observedGeneration, as a Deployment's count
+    pods), and a ready group is an available engine (LWS has no availableReplicas). An LWS
+    whose controller never ran has no status: nothing is ready, nothing rolled out."""
+    if lws is None:
+        return None
+    status = lws.get("status") or {}
+    return {**lws, "status": {"availableReplicas": status.get("readyReplicas", 0), **status}}
 
 
 def condition(type_: str, ok: bool, reason: str, message: str, generation: int) -> dict[str, Any]:
@@ -362,7 +374,7 @@ def policy_status(answer: Any) -> dict[str, Any]:
     replicas = [r for r in answer.get("replicas") or [] if isinstance(r, dict)]
 
     def serves(replica: dict[str, Any]) -> bool:
-        if replica.get("state") != "serving":
+        if replica.get("state") != "serving" or replica.get("tokenizer"):
             return False
         return version is None or str(replica.get("version")) == version
 
@@ -379,9 +391,64 @@ def policy_status(answer: Any) -> dict[str, Any]:
         f"{r.get('engine')} {r.get('state')}"
         + (f" at {r.get('version')}" if r.get("version") is not None else "")
         + (f": {r.get('reason')}" if r.get("reason") else "")
+        + (f": tokenizer {r.get('tokenizer')}" if r.get("tokenizer") else "")
         for r in replicas
         if not serves(r)
     ]
     if behind:
         status["message"] = "; ".join(behind)[:MAX_POLICY_MESSAGE]
     return status
+
+
+# --- what the session server says of its engines and its store (SessionServer conditions) ---
+
+TOKENIZER_MISMATCH = "TokenizerMismatch"
+TOKENIZER_MATCHES = "TokenizerMatches"
+STORE_FULL = "StoreFull"
+STORE_HAS_ROOM = "StoreHasRoom"
+STORE_FULL_FRACTION = 0.95
+"""Used memory over this share of maxmemory counts as full: with noeviction Redis refuses any
+write that would pass maxmemory, so a store this close already refuses long turns."""
+
+
+def server_conditions(answer: Any, generation: int) -> list[dict[str, Any]]:
+    """`TokenizerMismatch` and `StoreFull` from the session server's GET /policy answer (its
+    replicas' tokenizer comparison, its store's memory); none where the answer does not say
+    (an older image, a store without a memory bound)."""
+    if not isinstance(answer, dict):
+        return []
+    conditions = []
+    replicas = [r for r in answer.get("replicas") or [] if isinstance(r, dict)]
+    if replicas and all("tokenizer" in r for r in replicas):
+        differ = [r for r in replicas if str(r.get("tokenizer") or "").startswith("mismatch")]
+        message = (
+            "; ".join(f"{r.get('engine')}: {r.get('tokenizer')}" for r in differ)
+            if differ
+            else f"{len(replicas)} engine replicas compared with the session server's tokenizer"
+        )
+        conditions.append(
+            condition(
+                TOKENIZER_MISMATCH,
+                bool(differ),
+                TOKENIZER_MISMATCH if differ else TOKENIZER_MATCHES,
+                message[:MAX_POLICY_MESSAGE],
+                generation,
+            )
+        )
+    store = answer.get("store")
+    if isinstance(store, dict):
+        used, most = store.get("used_bytes"), store.get("max_bytes")
+        if isinstance(used, int) and isinstance(most, int) and most > 0:
+            full = used >= STORE_FULL_FRACTION * most
+            message = (
+                f"Redis uses {used} of its maxmemory {most} bytes ({100 * used // most}%); "
+                f"{store.get('full_refusals', 0)} writes refused as full since the server started"
+            )
+            if full:
+                message += (
+                    "; turns get a retryable 503: finish and export sessions, or raise "
+                    "redis.managed.maxMemory"
+                )
+            reason = STORE_FULL if full else STORE_HAS_ROOM
+            conditions.append(condition(STORE_FULL, full, reason, message, generation))
+    return conditions

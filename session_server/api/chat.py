@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from session_server.api import turn_service
-from session_server.api.params import explicit_sampling
+from session_server.api.params import TemplateKwargs, explicit_sampling
 from session_server.api.replies import tokenkeep_info, usage
 from session_server.api.routing import LeanRoute, convert
 from session_server.api.serving import IDEMPOTENCY_KEY_DOC, serve_turn
@@ -112,6 +112,9 @@ class ChatCompletionRequest(BaseModel):
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
     reasoning_ended: bool | None = None
+    chat_template_kwargs: TemplateKwargs | None = None
+    """vLLM's: variables the chat template renders with (`enable_thinking`), over the
+    session's default key by key."""
     required_prefix_token_ids: list[int] | None = None
     return_token_ids: bool | None = None
     """vLLM's name: the reply carries `prompt_token_ids` and `token_ids` (default: the
@@ -212,6 +215,7 @@ def to_conversation(body: ChatCompletionRequest) -> Conversation:
         model=body.model,
         required_prefix_token_ids=body.required_prefix_token_ids,
         reasoning_ended=body.reasoning_ended,
+        template_kwargs=body.chat_template_kwargs or {},
         return_token_ids=body.return_token_ids,
     )
 

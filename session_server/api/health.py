@@ -47,21 +47,43 @@ async def readyz(request: Request, engine: bool = False) -> Response:
         "store": store_ok,
         "engine": engine_ok,
         "draining": draining,
+        # Replicas that get no turns, and why (the policy's fencing, a tokenizer that differs
+        # from this server's): the session API stays ready, their turns are refused.
+        "refused": {
+            replica.url: replica.refused
+            for replica in service.engine.replicas
+            if replica.refused is not None
+        },
     }
     return Response(json.dumps(body), status_code=200 if ok else 503, media_type="application/json")
+
+
+async def store_memory(request: Request) -> dict[str, int | None] | None:
+    """The store's memory as Redis reports it (None: a store without a memory bound, like the
+    embedded one): used and max bytes (None where Redis did not answer in time; max 0:
+    unbounded), and the writes refused because it was full. Recorded in the metrics too."""
+    service = turn_service(request)
+    store = service.store
+    memory = getattr(store, "memory", None)  # Redis: INFO memory; the embedded store: none
+    if memory is None:
+        return None
+    try:
+        used = await asyncio.wait_for(memory(), STORE_MEMORY_TIMEOUT_S)
+    except TimeoutError:
+        used = None
+    refusals = getattr(store, "full_refusals", 0)
+    service.metrics.record_store_memory(used, refusals)
+    return {
+        "used_bytes": None if used is None else used[0],
+        "max_bytes": None if used is None else used[1],
+        "full_refusals": refusals,
+    }
 
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
     service = turn_service(request)
-    store = service.store
-    memory = getattr(store, "memory", None)  # Redis: INFO memory; the embedded store: none
-    if memory is not None:
-        try:
-            used = await asyncio.wait_for(memory(), STORE_MEMORY_TIMEOUT_S)
-        except TimeoutError:
-            used = None
-        service.metrics.record_store_memory(used, getattr(store, "full_refusals", 0))
+    await store_memory(request)
     return Response(generate_latest(service.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
 

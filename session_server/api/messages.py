@@ -148,12 +148,18 @@ class WireToolChoice(_Wire):
     name: str | None = None
 
 
+class WireThinking(_Wire):
+    type: str
+    """`enabled` or `disabled` (`budget_tokens` and newer types are accepted, not read)."""
+
+
 class CountTokensRequest(_Wire):
     model: str = ""
     messages: list[WireMessage] = Field(min_length=1)
     system: Annotated[list[TextBlock], BeforeValidator(_text_as_blocks)] = []
     tools: list[WireTool] = []
     tool_choice: WireToolChoice | None = None
+    thinking: WireThinking | None = None
 
 
 class MessagesRequest(CountTokensRequest):
@@ -212,6 +218,9 @@ def conversation_from_request(request: CountTokensRequest) -> Conversation:
         tool_choice=_tool_choice(request.tool_choice),
         api="messages",
         model=request.model or None,
+        thinking={"enabled": True, "disabled": False}.get(request.thinking.type)
+        if request.thinking
+        else None,
     )
     if isinstance(request, MessagesRequest):
         conversation.stream = request.stream

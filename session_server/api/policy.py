@@ -4,14 +4,17 @@ published, and what each replica serves). Admin key only (api/auth.py): a sessio
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints
 
-from session_server.api.errors import APIError, error_body
+from session_server.api.errors import error_body
+from session_server.api.health import store_memory
 from session_server.policy.fleet import PolicyFleet, PublishError
+from session_server.policy.transfer import FleetTransfer
 
 router = APIRouter()
 
@@ -26,10 +29,35 @@ class PathSource(BaseModel):
     this server read at this path."""
 
 
+class TransferStart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
 class TransferSource(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    transfer: dict[str, Any]
+    transfer: TransferStart
+    """`{}`: the trainer sends the weights itself (vLLM's weight transfer), through the group
+    `POST /policy/transfer/init` formed. This call pauses every replica and readies it to
+    receive; the trainer then broadcasts while it calls `/policy/transfer/update`, and ends
+    with `/policy/transfer/finish` (tokenkeep's client drives it: `publish_policy(version,
+    transfer=engine)`)."""
+
+
+class TransferInit(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    init_info: dict[str, Any]
+    """vLLM's worker init info as its trainer engine builds it (`master_address`,
+    `master_port` or `nccl_unique_id_b64`, `world_size`, `packed`, ...); `rank_offset` is
+    set per replica by tokenkeep."""
+
+
+class TransferUpdate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    update_info: dict[str, Any] | list[dict[str, Any]]
+    """vLLM's update info (`names`, `dtype_names`, `shapes`), passed to every replica."""
 
 
 class Publish(BaseModel):
@@ -49,20 +77,14 @@ def _fleet(request: Request) -> PolicyFleet:
     return fleet
 
 
-@router.post("/policy")
-async def publish_policy(request: Request, body: Publish) -> Any:
-    if isinstance(body.source, TransferSource):
-        raise APIError(
-            501,
-            "transfer sources (vLLM's NCCL weight transfer) are not built yet: publish a "
-            'checkpoint folder with {"source": {"path": DIR}}',
-            param="source",
-            type="not_supported",
-        )
+def _transfers(request: Request) -> FleetTransfer:
+    transfers: FleetTransfer = request.app.state.transfers
+    return transfers
+
+
+async def _answer(request: Request, work: Awaitable[dict[str, Any]]) -> Any:
     try:
-        return await _fleet(request).publish(
-            str(body.version), body.source.path, body.pause, force=body.force
-        )
+        return await work
     except PublishError as error:
         request.state.error = error.message
         content = error_body(request.url.path, error.status, error.message, type=error.kind)
@@ -71,8 +93,43 @@ async def publish_policy(request: Request, body: Publish) -> Any:
         return JSONResponse(content, status_code=error.status)
 
 
+@router.post("/policy")
+async def publish_policy(request: Request, body: Publish) -> Any:
+    version = str(body.version)
+    if isinstance(body.source, TransferSource):
+        start = _transfers(request).start_transfer(version, body.pause, force=body.force)
+        return await _answer(request, start)
+    return await _answer(
+        request, _fleet(request).publish(version, body.source.path, body.pause, force=body.force)
+    )
+
+
+@router.get("/policy/transfer")
+async def transfer_group(request: Request) -> Any:
+    """The world size a new transfer group needs, and the group as it stands."""
+    return await _answer(request, _transfers(request).transfer_world_size())
+
+
+@router.post("/policy/transfer/init")
+async def init_transfer(request: Request, body: TransferInit) -> Any:
+    return await _answer(request, _transfers(request).init_transfer(body.init_info))
+
+
+@router.post("/policy/transfer/update")
+async def update_transfer(request: Request, body: TransferUpdate) -> Any:
+    return await _answer(request, _transfers(request).update_transfer(body.update_info))
+
+
+@router.post("/policy/transfer/finish")
+async def finish_transfer(request: Request) -> Any:
+    return await _answer(request, _transfers(request).finish_transfer())
+
+
 @router.get("/policy")
 async def get_policy(request: Request) -> dict[str, Any]:
     fleet = _fleet(request)
     await fleet.refresh()
-    return fleet.status()
+    # The operator reads this answer for its SessionServer status: the store's memory (its
+    # StoreFull condition) rides along, so that one poll says both.
+    store = await store_memory(request)
+    return {"transfer": _transfers(request).status(), **fleet.status(), "store": store}

@@ -14,6 +14,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 from session_server import batch, export
 from session_server.api import session_service
 from session_server.api.errors import APIError
+from session_server.api.params import TemplateKwargs
 from session_server.api.session_ids import SESSION_ID_PATTERN, check_session_id
 from session_server.conversation import MAX_JSON_DEPTH, too_deep
 from session_server.images import image_media_type
@@ -57,6 +58,14 @@ class CreateSession(BaseModel):
     routed_experts: bool | None = None
     """MoE routing replay: store each turn's expert routes (default: the server's
     --routed-experts setting). The engine needs --enable-return-routed-experts."""
+    reasoning_ended: bool | None = None
+    """Every turn is sent to vLLM with `reasoning_ended` unless its request says otherwise:
+    `tool_choice` ("required" or a named tool) and structured outputs constrain the reply from
+    its first token instead of after a reasoning block the model must close itself. How a
+    random-weights or untrained model is made to call a tool (the demo's harness loop)."""
+    chat_template_kwargs: TemplateKwargs | None = None
+    """Variables every turn's chat template renders with, as vLLM's `chat_template_kwargs`
+    (`{"enable_thinking": false}`); a request's own `chat_template_kwargs` win key by key."""
     group: str | None = Field(default=None, pattern=SESSION_ID_PATTERN.pattern)
     """The rollout group (the G samples of one prompt); needs `group_size`."""
     group_size: int | None = Field(default=None, ge=1, le=100_000)
@@ -83,6 +92,8 @@ async def create_session(request: Request, body: CreateSession | None = None) ->
         normalization=body.normalization,
         return_token_ids=body.return_token_ids,
         routed_experts=body.routed_experts,
+        reasoning_ended=body.reasoning_ended,
+        chat_template_kwargs=body.chat_template_kwargs,
         group=body.group,
         group_size=body.group_size,
     )

@@ -5,7 +5,8 @@ random-weights model with the real Qwen3 tokenizer and chat template, starts the
 server in front of it (embedded store, or Redis with `--redis-url`), then plays a harness with
 the official OpenAI SDK at a session URL: tool calls, tool results, answers. It prints what
 was kept (turns, tokens, segments, breaks), writes the trajectory a trainer would read, and
-says how to point another harness at a session.
+(in a terminal, or with --keep-running) keeps the stack up until Ctrl-C, printing what to run
+against it: `tokenkeep sessions`, a curl that creates a session, an OpenAI-SDK tool loop.
 
 A random-weights model never calls a tool by itself, so each request carries a vLLM
 structured-output grammar that makes the engine sample a reasoning block and a hermes
@@ -16,16 +17,21 @@ text inside is still random sub-word soup: exactly what re-rendering a history b
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import shlex
+import shutil
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from session_server.devtools import localengine, train
-from session_server.devtools.stack import local_server, progress
+from session_server.devtools.stack import local_server, progress, waiting
 from session_server.devtools.weather import weather, weather_tools
+from tokenkeep.cli import counted, local_stack_file
 
 CITIES = ("Paris", "Tokyo", "Lima")
 TOOLS = weather_tools(CITIES)
@@ -68,6 +74,10 @@ def answer_grammar(vocab: dict[str, int]) -> str:
     return reasoning_then(vocab, WORDS)
 
 
+def _turn_wait(step: int) -> str:
+    return f"[demo] turn {step + 1}: waiting for the engine"
+
+
 def drive(base_url: str, model_dir: Path, *, seed: int | None = None) -> dict[str, Any]:
     """Play a tool-using harness against a new session; returns the session's summary."""
     import httpx
@@ -92,13 +102,14 @@ def drive(base_url: str, model_dir: Path, *, seed: int | None = None) -> dict[st
             if city
             else answer_grammar(vocab)
         )
-        reply = client.chat.completions.create(
-            model=session["id"],
-            messages=messages,  # type: ignore[arg-type]
-            tools=TOOLS,  # type: ignore[arg-type]
-            max_tokens=128,
-            extra_body={"structured_outputs": {"grammar": grammar}, "reasoning_ended": True},
-        )
+        with waiting(_turn_wait(step)):
+            reply = client.chat.completions.create(
+                model=session["id"],
+                messages=messages,  # type: ignore[arg-type]
+                tools=TOOLS,  # type: ignore[arg-type]
+                max_tokens=128,
+                extra_body={"structured_outputs": {"grammar": grammar}, "reasoning_ended": True},
+            )
         message = reply.choices[0].message
         info = (reply.model_extra or {}).get("tokenkeep", {})
         sent: dict[str, Any] = {"role": "assistant", "content": message.content}
@@ -195,18 +206,21 @@ def drive_vision(base_url: str, *, seed: int | None = None, steps: int = 3) -> d
     tool_calls = 0
     for step in range(steps):
         last = step == steps - 1
-        reply = client.chat.completions.create(
-            model=session_body["id"],
-            messages=messages,  # type: ignore[arg-type]
-            tools=[CLICK_TOOL],  # type: ignore[list-item]
-            # Random weights call no tool by themselves: a named tool_choice makes the engine
-            # sample a real <tool_call> (structured output from the first token).
-            **(
-                {} if last else {"tool_choice": {"type": "function", "function": {"name": "click"}}}
-            ),
-            max_tokens=12 if last else 64,
-            extra_body={"reasoning_ended": True},
-        )
+        with waiting(_turn_wait(step)):
+            reply = client.chat.completions.create(
+                model=session_body["id"],
+                messages=messages,  # type: ignore[arg-type]
+                tools=[CLICK_TOOL],  # type: ignore[list-item]
+                # Random weights call no tool by themselves: a named tool_choice makes the engine
+                # sample a real <tool_call> (structured output from the first token).
+                **(
+                    {}
+                    if last
+                    else {"tool_choice": {"type": "function", "function": {"name": "click"}}}
+                ),
+                max_tokens=12 if last else 64,
+                extra_body={"reasoning_ended": True},
+            )
         message = reply.choices[0].message
         info = (reply.model_extra or {}).get("tokenkeep", {})
         sent: dict[str, Any] = {"role": "assistant", "content": message.content}
@@ -259,6 +273,34 @@ def drive_vision(base_url: str, *, seed: int | None = None, steps: int = 3) -> d
     return summary
 
 
+# Where the demo writes what it makes (ignored by the repository's .gitignore).
+OUTPUT_DIR = Path("tokenkeep-out")
+TOOL_LOOP_FILE = "tool_loop.py"
+# The user's own harness, as the closing block prints it: the session option
+# `reasoning_ended` applies `tool_choice` from the first token, so the random model's reply is
+# a call; the enum keeps its random arguments short enough to close (the grammar still lets
+# it sample whitespace between the JSON's tokens: hence 256 tokens of room).
+TOOL_LOOP = """\
+import json, httpx, openai
+server = "{url}"
+session = httpx.post(f"{{server}}/sessions", json={{"reasoning_ended": True}}).json()
+client = openai.OpenAI(base_url=session["openai_base_url"], api_key=session["api_key"])
+city = {{"type": "string", "enum": ["Paris", "Tokyo"]}}
+tools = [{{"type": "function", "function": {{"name": "get_weather", "parameters": {{
+    "type": "object", "properties": {{"city": city}}, "required": ["city"]}}}}}}]
+messages = [{{"role": "user", "content": "Weather in Paris?"}}]
+for _ in range(2):
+    message = client.chat.completions.create(model="{model}", messages=messages,
+        tools=tools, tool_choice="required", max_tokens=256).choices[0].message
+    messages.append(message.model_dump(exclude_none=True))
+    for call in message.tool_calls or []:
+        print("tool call:", call.function.name, json.loads(call.function.arguments))
+        messages.append({{"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}})
+segments = httpx.get(f"{{server}}/sessions/{{session['id']}}").json()["segments"]
+print("segments:", segments, "(1: the trainer gets one token sequence)")
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="tokenkeep demo",
@@ -269,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--trajectory",
         type=Path,
-        default=Path("tokenkeep-demo-trajectory.jsonl"),
+        default=OUTPUT_DIR / "demo-trajectory.jsonl",
         help="where to write the session's trajectory (JSON lines, one per branch)",
     )
     parser.add_argument("--seed", type=int, help="sampling seed (default: random)")
@@ -280,68 +322,146 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--keep-running",
-        action="store_true",
-        help="leave the stack up afterwards for your own harness (Ctrl-C stops it)",
+        action=argparse.BooleanOptionalAction,
+        help="leave the stack up afterwards for your own harness, until Ctrl-C (default: yes "
+        "when run in a terminal)",
     )
     train.add_arguments(parser)
     args = parser.parse_args(argv)
     if args.train:
         return train.main(args)
+    keep_running = (
+        args.keep_running
+        if args.keep_running is not None
+        else sys.stdin.isatty() and sys.stdout.isatty()
+    )
     started = time.monotonic()
-    progress("[demo] setting up the engine (first run: a few minutes; cached afterwards)")
+    name = localengine.VISION_MODEL_NAME if args.vision else localengine.TINY_MODEL_NAME
     try:
-        model = localengine.VISION_MODEL_NAME if args.vision else localengine.TINY_MODEL_NAME
-        engine = localengine.start(model, progress=progress)
+        engine_url, served, model_dir, engine = _engine(name, args.engine_url)
     except localengine.LocalEngineError as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     try:
-        with local_server(
-            engine.url, engine.served_model_name, engine.model_dir, args.redis_url, args.port
-        ) as url:
+        with local_server(engine_url, served, model_dir, args.redis_url, args.port) as url:
             store = args.redis_url or "embedded store"
-            print(f"\nsession server {url} ({store}) -> vLLM {engine.url}", flush=True)
+            print(f"\nsession server {url} ({store}) -> vLLM {engine_url}", flush=True)
             if args.vision:
                 summary = drive_vision(url, seed=args.seed)
             else:
-                summary = drive(url, engine.model_dir, seed=args.seed)
+                summary = drive(url, model_dir, seed=args.seed)
+            args.trajectory.parent.mkdir(parents=True, exist_ok=True)
             args.trajectory.write_text(summary.pop("trajectory_jsonl"))
-            ok = _report(summary, args.trajectory, time.monotonic() - started, model)
-            if args.keep_running:
-                print("\nthe stack is up; Ctrl-C stops it", flush=True)
-                try:
-                    while True:
-                        time.sleep(3600)
-                except KeyboardInterrupt:
-                    pass
+            ok = _report(summary, args.trajectory, time.monotonic() - started)
+            if keep_running:
+                with _announced(url):
+                    print(_next_steps(url, served, args.trajectory.parent), flush=True)
+                    with contextlib.suppress(KeyboardInterrupt):
+                        while True:
+                            time.sleep(3600)
+                print("\nstopped", flush=True)
+            else:
+                print(
+                    "\nThe stack has stopped (not run in a terminal, or --no-keep-running): "
+                    "`tokenkeep demo --keep-running` leaves it up for your own harness.",
+                    flush=True,
+                )
     finally:
-        engine.stop()
+        if engine is not None:
+            engine.stop()
     return 0 if ok else 1
 
 
-def _report(summary: dict[str, Any], trajectory: Path, seconds: float, name: str) -> bool:
+def _engine(
+    name: str, engine_url: str | None
+) -> tuple[str, str, Path, localengine.LocalEngine | None]:
+    """The engine's URL, served name and model folder, and the engine if the demo started it
+    (None: `--engine-url`, an engine already serving the tiny model)."""
+    if engine_url:
+        return (
+            engine_url.rstrip("/"),
+            localengine.served_name(name),
+            localengine.build_model(name),
+            None,
+        )
+    if localengine.is_set_up(name):
+        progress("[demo] starting vLLM from the cache (about a minute)")
+    else:
+        progress("[demo] first run: installing vLLM for the CPU and building the model (a few "
+                 "minutes; cached afterwards)")  # fmt: skip
+    engine = localengine.start(name, progress=progress)
+    return engine.url, engine.served_model_name, engine.model_dir, engine
+
+
+@contextlib.contextmanager
+def _announced(url: str) -> Iterator[None]:
+    """While the stack is kept up, `local_stack_file()` says where it listens: `tokenkeep
+    sessions` and `export` find it without --url. Removed on the way out, if still ours."""
+    path = local_stack_file()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    mine = {"url": url, "pid": os.getpid()}
+    path.write_text(json.dumps(mine) + "\n")
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            if json.loads(path.read_text()) == mine:
+                path.unlink()
+
+
+def command_prefix() -> list[str]:
+    """What makes `tokenkeep` and this Python the ones a user's shell runs: nothing where
+    they are already first on PATH, else activating this virtualenv (as `make demo` ran it:
+    `.venv/bin/tokenkeep`, and the shell has never heard of it)."""
+    script = Path(sys.executable).parent / "tokenkeep"
+    found = shutil.which("tokenkeep")
+    if found and Path(found).resolve() == script.resolve():
+        return []
+    activate = Path(sys.prefix) / "bin" / "activate"
+    with contextlib.suppress(ValueError):
+        activate = activate.relative_to(Path.cwd())
+    return [f"source {shlex.quote(str(activate))}   # puts tokenkeep and its Python on PATH"]
+
+
+def _next_steps(url: str, model: str, output_dir: Path) -> str:
+    loop = output_dir / TOOL_LOOP_FILE
+    loop.write_text(TOOL_LOOP.format(url=url, model=model))
+    body = shlex.quote('{"reasoning_ended": true}')
+    lines = [
+        "",
+        "The stack is up until Ctrl-C. From another terminal, here:",
+        *(f"  {line}" for line in command_prefix()),
+        "  tokenkeep sessions          # this server's sessions (found without --url)",
+        f"  curl -s -X POST {url}/sessions -H 'content-type: application/json' -d {body}",
+        "                              # -> openai_base_url and api_key: point a harness there",
+        f"  python {shlex.quote(str(loop))}   # your own tool loop, printed below",
+        "",
+        f"session server {url}  (admin key: none; it answers loopback clients only)",
+        f"viewer         {url}/ui/",
+        "",
+        "An OpenAI-SDK tool loop that gets tool calls from the random model (the session's",
+        '"reasoning_ended": true applies tool_choice from the first token; docs/harnesses.md):',
+        "",
+        TOOL_LOOP.format(url=url, model=model),
+    ]
+    return "\n".join(lines)
+
+
+def _report(summary: dict[str, Any], trajectory: Path, seconds: float) -> bool:
     breaks = sum(summary["breaks"].values())
     kinds = ", ".join(f"{kind} {count}" for kind, count in summary["turns_by_kind"].items())
-    model = localengine.served_name(name)
-    images = f", {summary['images']} images" if "images" in summary else ""
+    images = f", {counted(summary['images'], 'image')}" if "images" in summary else ""
     lines = [
         "",
         f"session      {summary['openai_base_url']}",
-        f"turns        {summary['turns']} ({kinds}), {summary['tool_calls']} tool calls{images}",
+        f"turns        {summary['turns']} ({kinds}), "
+        f"{counted(summary['tool_calls'], 'tool call')}{images}",
         f"tokens       {summary['tokens']} ({summary['sampled_tokens']} sampled by the engine)",
         f"segments     {summary['segments']}",
         f"breaks       {breaks}" + (f" {json.dumps(summary['breaks'])}" if breaks else ""),
         f"trajectory   {trajectory.resolve()}",
         f"viewer       {summary['viewer_url']}",
         f"took         {seconds:.0f}s",
-        "",
-        "Point your own harness at a session (one base URL per conversation):",
-        f"  tokenkeep engine start --model {name} &   # vLLM on the CPU at http://127.0.0.1:8000",
-        f"  tokenkeep serve --port 8080 --engine-url http://127.0.0.1:8000 --model {model} \\",
-        f"      --tokenizer {localengine.model_dir(name)}",
-        "  curl -s -X POST localhost:8080/sessions   # -> openai_base_url, api_key",
-        '  OpenAI(base_url="<openai_base_url>", api_key="<api_key>")',
-        "or run `tokenkeep demo --keep-running` and use the session URL above.",
     ]
     print("\n".join(lines), flush=True)
     return breaks == 0 and summary["segments"] == 1 and summary["tool_calls"] > 0

@@ -129,10 +129,16 @@ def _read_stamp(path: Path) -> dict[str, object] | None:
 
 
 def _run_step(
-    description: str, argv: Sequence[str], log_path: Path, progress: Progress, started: float
+    description: str,
+    argv: Sequence[str],
+    log_path: Path,
+    progress: Progress,
+    started: float,
+    every_s: float = 10.0,
 ) -> None:
     """Run one setup command, its output going to `log_path`, with a progress line every 10 s
-    (pip is silent for minutes while it unpacks torch) naming the latest output line."""
+    (pip is silent for minutes while it unpacks torch): the latest output line when there is
+    a new one, else that the step is still running (never the same stale line again)."""
     progress(f"[engine] {description} … ({time.monotonic() - started:.0f}s)")
     latest = [""]
     with open(log_path, "a") as log:
@@ -156,13 +162,18 @@ def _run_step(
 
         reader = threading.Thread(target=copy_output, daemon=True)
         reader.start()
+        shown = ""
         while True:
             try:
-                proc.wait(timeout=10)
+                proc.wait(timeout=every_s)
                 break
             except subprocess.TimeoutExpired:
-                note = latest[0][:100] or description
-                progress(f"[engine]   {note} ({time.monotonic() - started:.0f}s)")
+                elapsed = time.monotonic() - started
+                if latest[0] and latest[0] != shown:
+                    shown = latest[0]
+                    progress(f"[engine]   {shown[:100]} ({elapsed:.0f}s)")
+                else:
+                    progress(f"[engine]   still running: {description} ({elapsed:.0f}s)")
         reader.join()
     if proc.returncode != 0:
         raise LocalEngineError(f"{description} failed (exit {proc.returncode}); see {log_path}")
@@ -347,6 +358,13 @@ def is_vision_model(model: str | Path) -> bool:
         return model in VISION_MODELS
     config = _read_stamp(model / "config.json") or {}
     return "vision_config" in config
+
+
+def is_set_up(name: str = TINY_MODEL_NAME) -> bool:
+    """Whether the engine that serves `name` is installed and the model built: starting it
+    then takes about a minute, not the first run's several."""
+    engine = vision_venv_dir() if name in VISION_MODELS else venv_dir()
+    return (engine / "installed.json").is_file() and (model_dir(name) / "built.json").is_file()
 
 
 def build_model(name: str = TINY_MODEL_NAME, progress: Progress = _print_progress) -> Path:

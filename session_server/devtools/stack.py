@@ -18,6 +18,26 @@ def progress(line: str) -> None:
 
 
 @contextmanager
+def waiting(what: str, every_s: float = 5.0) -> Iterator[None]:
+    """A progress line every `every_s` seconds while the block runs, none if it is quicker:
+    a wait the user cannot see the end of (the first turn, a model loading) is not silent."""
+    done = threading.Event()
+    started = time.monotonic()
+
+    def report() -> None:
+        while not done.wait(every_s):
+            progress(f"{what}… {time.monotonic() - started:.0f}s")
+
+    reporter = threading.Thread(target=report, daemon=True)
+    reporter.start()
+    try:
+        yield
+    finally:
+        done.set()
+        reporter.join()
+
+
+@contextmanager
 def local_server(
     engine_url: str, model: str, model_dir: Path, redis_url: str | None, port: int
 ) -> Iterator[str]:
@@ -43,10 +63,11 @@ def local_server(
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
-    while not server.started:
-        if time.monotonic() > deadline or not thread.is_alive():
-            raise RuntimeError("the session server did not start")
-        time.sleep(0.05)
+    with waiting("[server] starting the session server (loading the tokenizer)"):
+        while not server.started:
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError("the session server did not start")
+            time.sleep(0.05)
     try:
         yield f"http://127.0.0.1:{sock.getsockname()[1]}"
     finally:

@@ -44,6 +44,7 @@ import httpx
 from session_server.devtools import grpo, localengine
 from session_server.devtools.stack import local_server, progress
 from session_server.devtools.weather import weather, weather_tools
+from tokenkeep.cli import counted
 
 CITIES = ("Paris", "Tokyo", "Lima", "Oslo", "Cairo", "Delhi", "Quito", "Rome")
 TARGET = "Lima"
@@ -430,8 +431,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--engine-url",
-        help="a running dev-mode vLLM serving the tiny model (its weights are restored at "
-        "the end); default: start one",
+        help="a running vLLM serving the tiny model (--train: a dev-mode one, whose weights "
+        "are restored at the end); default: start one",
     )
 
 
@@ -507,7 +508,7 @@ def _report(summary: dict[str, Any]) -> str:
             f"{summary['last_quarter_mean_reward']:.3f} (last quarter); chance "
             f"{summary['chance_reward']:.3f}",
             f"versions     0 -> {summary['final_version']} (engine never restarted); "
-            f"{summary['mixed_version_rollouts']} rollouts spanned an update",
+            f"{counted(summary['mixed_version_rollouts'], 'rollout')} spanned an update",
             f"engine check probe logprob gap after every publish <= "
             f"{summary['max_probe_gap']:.4f}: {probe_verdict(summary['max_probe_gap'])}",
             f"took         {summary['seconds']:.0f}s ({summary['seconds_per_step']:.1f}s/step)",

@@ -138,6 +138,16 @@ class Replica:
     """False once the replica answered `GET /weight_info` with an error (not in dev mode)."""
     fenced: str | None = None
     """Why it gets no turns (behind the published policy, its update failed); None: serves."""
+    tokenizer_differs: str | None = None
+    """Why its tokenizer keeps it from serving (`mismatch: ...`, or `unchecked` until its
+    probe answered; session_server/tokenizer_match.py); None: the same as this server's, or
+    not compared. Apart from `fenced`, which the policy sets and clears by itself."""
+
+    @property
+    def refused(self) -> str | None:
+        """Why it gets no turns now, whoever decided (None: it may serve)."""
+        return self.fenced or (self.tokenizer_differs and f"tokenizer {self.tokenizer_differs}")
+
     endpoints: dict[str, Endpoint | None] = field(default_factory=dict, repr=False)
     """Per request path, the lean client's prepared endpoint (None: through httpx)."""
 

@@ -55,7 +55,7 @@ ABORT_PATH = "/abort_request"
 # `/server_info` since 0.5; older servers only answer `/get_server_info`.
 SERVER_INFO_PATHS = ("/server_info", "/get_server_info")
 MODELS_PATH = "/v1/models"
-# `{"weight_version": ...}` (http_server.py at 0025436; `server_args.weight_version`, which
+# `{"weight_version": ...}` (http_server.py, 0.5.23; `server_args.weight_version`, which
 # `/update_weights_from_disk` and `/update_weight_version` set): what fencing compares.
 WEIGHT_VERSION_PATH = "/get_weight_version"
 

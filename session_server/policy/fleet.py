@@ -17,7 +17,8 @@ checkpoint folder, reloaded from it by whichever server takes its catch-up lease
 gets a turn again.
 
 Following (every server, every health round): a replica whose `/weight_info` version is not
-the published one is fenced ("behind") and, for a folder source, caught up; a replica at the
+the published one is fenced ("behind") and, for a folder source, caught up (for a policy the
+trainer sent, `policy/transfer.py`, it stays fenced, "awaiting_transfer"); a replica at the
 published version whose checksum differs from the publish's is fenced ("checksum"); a replica
 that appears or is marked down is fenced ("new") until it has been checked. The engine client
 also refuses a generation stamped with a version older than the published one, so a replica
@@ -41,7 +42,12 @@ from session_server.engine_wire.base import Replica
 from session_server.engines import EngineClient
 from session_server.metrics import Metrics
 from session_server.policy.checkpoint import CheckpointError, Layout, check_fits, read_layout
-from session_server.policy.control import ControlError, EngineControl, control_class, control_for
+from session_server.policy.control import (
+    ControlError,
+    EngineControl,
+    control_class,
+    control_for,
+)
 from session_server.policy.state import PublishedPolicy, not_newer
 from session_server.store.base import SessionStore
 
@@ -157,13 +163,13 @@ class PolicyFleet:
             except Exception:  # the loop must outlive any single bad round
                 logger.exception("policy follow round failed")
 
-    def _state(self, url: str) -> ReplicaPolicy:
+    def state_of(self, url: str) -> ReplicaPolicy:
         return self.replicas.setdefault(url, ReplicaPolicy())
 
     def _unverified(self, replica: Replica) -> None:
         if self.published is not None:
             replica.fenced = "new: not yet checked against the published policy"
-            state = self._state(replica.url)
+            state = self.state_of(replica.url)
             state.state = "fenced"
             state.checked = None  # maybe restarted: its checksum is read again
 
@@ -190,11 +196,11 @@ class PolicyFleet:
         )
 
     async def _follow_one(self, replica: Replica, published: PublishedPolicy) -> None:
-        state = self._state(replica.url)
+        state = self.state_of(replica.url)
         if state.catching_up is not None or not replica.healthy:
             return
         version = replica.weight_version
-        control = self._control(replica)
+        control = self.control(replica)
         if version is None or not published.accepts(version) or replica.fenced is not None:
             # The health round's reading may predate the publish this server just read, or
             # (a fenced replica, one that just came back) the engine's restart: a replica
@@ -202,8 +208,12 @@ class PolicyFleet:
             with contextlib.suppress(ControlError):
                 version = replica.weight_version = await control.version()
         if version is None or not published.accepts(version):
-            self._fence(replica, f"behind: serves {version}, published {published.version}")
-            if published.path is not None and published.pending is None:
+            if published.path is None:
+                # Only the trainer has the weights of a transfer: it must send them again.
+                self.fence(replica, f"{AWAITING_TRANSFER}: serves {version}, {RESEND}")
+                return
+            self.fence(replica, f"behind: serves {version}, published {published.version}")
+            if published.pending is None:
                 state.catching_up = asyncio.create_task(self._catch_up(replica))
             return
         if version != published.version:
@@ -212,11 +222,11 @@ class PolicyFleet:
             try:
                 state.checksum = await control.checksum()
             except ControlError as error:
-                self._fence(replica, f"checksum: {error.reason}")
+                self.fence(replica, f"checksum: {error.reason}")
                 return
             state.checked = (version, published.published_at)
         if published.checksum is not None and state.checksum != published.checksum:
-            self._fence(
+            self.fence(
                 replica, f"checksum: {state.checksum}, the publish's is {published.checksum}"
             )
             return
@@ -225,30 +235,30 @@ class PolicyFleet:
             try:
                 await control.resume()
             except ControlError as error:
-                self._fence(replica, f"update_failed: {error}")
+                self.fence(replica, f"update_failed: {error}")
                 return
             logger.warning("engine %s serves policy %s again", replica.url, version)
         replica.fenced = None
         state.state = "serving"
 
-    def _fence(self, replica: Replica, reason: str) -> None:
+    def fence(self, replica: Replica, reason: str) -> None:
         if replica.fenced != reason:
             logger.warning("engine %s fenced: %s", replica.url, reason)
         replica.fenced = reason
-        self._state(replica.url).state = "behind" if reason.startswith("behind") else "fenced"
+        self.state_of(replica.url).state = "behind" if reason.startswith("behind") else "fenced"
 
     async def _catch_up(self, replica: Replica) -> None:
         """Reload a replica that is behind from the published folder. Under the policy
         lease, as a publish: one fleet-wide job at a time, so a catch-up never races a
         publish (or another server's catch-up) on the same replica."""
-        state = self._state(replica.url)
+        state = self.state_of(replica.url)
         try:
             if not await self.store.claim_lease(PUBLISH_LEASE, self.owner, CATCH_UP_LEASE_S):
                 return
             try:
                 await self.refresh()
                 published = self.published
-                control = self._control(replica)
+                control = self.control(replica)
                 if published is None or published.path is None:
                     return
                 if (await control.version()) == published.version:
@@ -264,7 +274,7 @@ class PolicyFleet:
                 )
                 if published.checksum is not None and outcome.checksum != published.checksum:
                     # Resumed, but fenced: it serves nothing until a publish brings it back.
-                    self._fence(replica, f"checksum: {outcome.checksum} after catch-up")
+                    self.fence(replica, f"checksum: {outcome.checksum} after catch-up")
                     self.metrics.catch_ups.labels(result="checksum").inc()
                     return
                 replica.fenced = None
@@ -280,7 +290,7 @@ class PolicyFleet:
                 await self.store.release_lease(PUBLISH_LEASE, self.owner)
         except ControlError as error:
             self.metrics.catch_ups.labels(result="failed").inc()
-            self._fence(replica, f"behind: catch-up failed: {error}")
+            self.fence(replica, f"behind: catch-up failed: {error}")
         except Exception:
             logger.exception("catch-up of %s failed", replica.url)
         finally:
@@ -288,7 +298,7 @@ class PolicyFleet:
 
     # --- publishing ---------------------------------------------------------------------------
 
-    def _control(self, replica: Replica) -> EngineControl:
+    def control(self, replica: Replica) -> EngineControl:
         return control_for(self.engine.wire.kind, self.engine.control_http, replica.url)
 
     def _check_checkpoint(self, path: str) -> None:
@@ -305,42 +315,37 @@ class PolicyFleet:
                     return read_layout(folder)
         return None
 
-    async def publish(
-        self, version: str, path: str, pause: str, *, force: bool = False
-    ) -> dict[str, Any]:
+    def check_engine(self, pause: str, *, transfer: bool = False) -> None:
         kind = self.engine.wire.kind
         try:
-            modes = control_class(kind).pause_modes
+            control = control_class(kind)
         except ValueError:
             raise PublishError(
                 501, f"publishing to {kind} engines is not built", "not_supported"
             ) from None
+        if transfer and not control.transfers:
+            raise PublishError(
+                501,
+                f"{kind} engines take no weight transfer from tokenkeep: publish a checkpoint "
+                'folder with {"source": {"path": DIR}}',
+                "not_supported",
+            )
+        modes = control.transfer_pause_modes if transfer else control.pause_modes
         if pause not in modes:
-            # Refused before any engine is touched: SGLang (0.5.x) has no pause that keeps
-            # the turns in flight (policy/control.py::SglangControl).
+            # Refused before any engine is touched, rather than honoured as another mode.
             raise PublishError(
                 501,
                 f"{kind} engines cannot honour pause {pause!r}: use one of {', '.join(modes)}",
                 "pause_not_supported",
             )
-        if not await self._wait_for_lease():
-            raise PublishError(
-                409,
-                f"another publish or catch-up held the fleet for {PUBLISH_LEASE_S:g}s; retry",
-                "publish_in_progress",
-            )
-        renew = asyncio.create_task(self._renew(PUBLISH_LEASE, PUBLISH_LEASE_S))
-        self._publishing = True
+
+    async def publish(
+        self, version: str, path: str, pause: str, *, force: bool = False
+    ) -> dict[str, Any]:
+        self.check_engine(pause)
+        renew = await self.take_fleet()
         try:
-            await self.refresh()
-            current = self.published
-            if current is not None and not force and not_newer(version, current.version):
-                raise PublishError(
-                    409,
-                    f"version {version} is not newer than the published {current.version}; "
-                    'send "force": true to publish it anyway',
-                    "version_not_newer",
-                )
+            current = await self.current_for(version, force)
             try:
                 await asyncio.to_thread(self._check_checkpoint, path)
             except CheckpointError as error:
@@ -355,11 +360,45 @@ class PolicyFleet:
                 if current is not None and self.published is current:  # nothing touched
                     await self.store.put_policy(current.encode())
         finally:
+            await self.release_fleet(renew)
+
+    async def take_fleet(self) -> asyncio.Task[None]:
+        """Drive the fleet: refused while this server drives it already (a publish, a
+        transfer between its calls, a group forming), else after the policy lease (another
+        server's publish or a catch-up ends first). Returns the lease's renewal."""
+        if self._publishing:
+            raise PublishError(
+                409,
+                "this server is publishing (a transfer publish between its calls included) or "
+                "forming a transfer group",
+                "publish_in_progress",
+            )
+        self._publishing = True
+        try:
+            if not await self._wait_for_lease():
+                raise _lease_busy()
+        except BaseException:
             self._publishing = False
-            renew.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await renew
-            await self.store.release_lease(PUBLISH_LEASE, self.owner)
+            raise
+        return asyncio.create_task(self._renew(PUBLISH_LEASE, PUBLISH_LEASE_S))
+
+    async def release_fleet(self, renew: asyncio.Task[None]) -> None:
+        self._publishing = False
+        await stop_task(renew)
+        await self.store.release_lease(PUBLISH_LEASE, self.owner)
+
+    async def current_for(self, version: str, force: bool) -> PublishedPolicy | None:
+        """The published policy, once `version` is known to be newer (or forced)."""
+        await self.refresh()
+        current = self.published
+        if current is not None and not force and not_newer(version, current.version):
+            raise PublishError(
+                409,
+                f"version {version} is not newer than the published {current.version}; "
+                'send "force": true to publish it anyway',
+                "version_not_newer",
+            )
+        return current
 
     async def _wait_for_lease(self) -> bool:
         """Take the policy lease, waiting for a catch-up or another server's publish to end
@@ -378,12 +417,11 @@ class PolicyFleet:
                 await self.store.claim_lease(lease, self.owner, ttl_s)
 
     async def _fan_out(self, version: str, path: str, pause: str) -> dict[str, Any]:
-        source = {"path": path}
-        target = PublishedPolicy(version, source, time.time(), pause, None)
+        target = PublishedPolicy(version, {"path": path}, time.time(), pause, None)
         replicas = self.engine.replicas
         outcomes = [ReplicaOutcome(r.url, inflight=r.inflight) for r in replicas]
         for replica in replicas:
-            self._state(replica.url).state = "updating"
+            self.state_of(replica.url).state = "updating"
         started = time.perf_counter()
         await asyncio.gather(
             *(
@@ -391,16 +429,29 @@ class PolicyFleet:
                 for replica, outcome in zip(replicas, outcomes, strict=True)
             )
         )
+        return await self.conclude(target, list(zip(replicas, outcomes, strict=True)), started)
+
+    async def conclude(
+        self,
+        target: PublishedPolicy,
+        moved: list[tuple[Replica, ReplicaOutcome]],
+        started: float,
+        outside: list[dict[str, Any]] | None = None,
+    ) -> dict[str, Any]:
+        """After the replicas' updates: compare checksums, resume the majority, fence the
+        rest, store the policy (once any replica was touched) and answer (or raise)."""
+        version, pause, source = target.version, target.pause, target.source
+        outcomes = [outcome for _, outcome in moved]
         done = [o for o in outcomes if o.reason is None]
         majority = Counter(o.checksum for o in done).most_common(1)
         checksum = majority[0][0] if majority else None
-        for replica, outcome in zip(replicas, outcomes, strict=True):
+        for replica, outcome in moved:
             if outcome.reason is None and outcome.checksum != checksum:
                 outcome.reason = f"checksum {outcome.checksum} differs from {checksum}"
-                self._fence(replica, f"checksum: {outcome.reason}")
+                self.fence(replica, f"checksum: {outcome.reason}")
         resumed = [
             (replica, outcome)
-            for replica, outcome in zip(replicas, outcomes, strict=True)
+            for replica, outcome in moved
             if outcome.reason is None or not outcome.touched
         ]
         await asyncio.gather(*(self._resume(replica, outcome) for replica, outcome in resumed))
@@ -410,8 +461,8 @@ class PolicyFleet:
             published = PublishedPolicy(version, source, target.published_at, pause, checksum)
             await self.store.put_policy(published.encode())
             self._follow_policy(published)
-        for replica, outcome in zip(replicas, outcomes, strict=True):
-            state = self._state(replica.url)
+        for replica, outcome in moved:
+            state = self.state_of(replica.url)
             if outcome.reason is None:
                 outcome.state = "serving"
                 replica.fenced = None
@@ -420,7 +471,7 @@ class PolicyFleet:
                 state.checked = (version, target.published_at)
             elif touched:
                 outcome.state = "fenced"
-                self._fence(replica, f"update_failed: {outcome.reason}")
+                self.fence(replica, f"update_failed: {outcome.reason}")
             else:
                 outcome.state = state.state = "serving"
             self.metrics.publish_replica_seconds.labels(replica=replica.url).observe(
@@ -438,7 +489,7 @@ class PolicyFleet:
             "pause_seconds": round(pause_s, 3),
             "requests": {_PAUSED_AS[pause]: sum(o.inflight for o in outcomes)},
             "published": touched,
-            "replicas": [o.as_json() for o in outcomes],
+            "replicas": [o.as_json() for o in outcomes] + (outside or []),
         }
         if failed:
             names = "; ".join(f"{o.engine}: {o.reason}" for o in failed)
@@ -465,7 +516,7 @@ class PolicyFleet:
         """Pause, reload, drop the prefix cache, set the version, checksum: the replica is
         left paused (the caller resumes it once the checksums agree)."""
         assert target.path is not None
-        control = self._control(replica)
+        control = self.control(replica)
         started = time.perf_counter()
 
         def lap(step: str) -> None:
@@ -496,7 +547,7 @@ class PolicyFleet:
 
     async def _resume(self, replica: Replica, outcome: ReplicaOutcome) -> None:
         try:
-            await self._control(replica).resume()
+            await self.control(replica).resume()
         except ControlError as error:
             if outcome.reason is None:
                 outcome.reason = f"{error.step}: {error.reason}"
@@ -507,7 +558,7 @@ class PolicyFleet:
         published = self.published
         replicas = []
         for replica in self.engine.replicas:
-            state = self._state(replica.url)
+            state = self.state_of(replica.url)
             if replica.fenced is not None:
                 shown = "behind" if replica.fenced.startswith("behind") else "fenced"
             else:
@@ -520,6 +571,8 @@ class PolicyFleet:
                     "reason": replica.fenced,
                     "checksum": state.checksum,
                     "healthy": replica.healthy,
+                    # Set where its tokenizer keeps it from serving (tokenizer_match.py).
+                    "tokenizer": replica.tokenizer_differs,
                 }
             )
         return {
@@ -533,3 +586,23 @@ class PolicyFleet:
 
 
 _PAUSED_AS = {"keep": "kept", "wait": "waited", "abort": "aborted"}
+AWAITING_TRANSFER = "awaiting_transfer"
+"""The fence reason (and metric label) of a replica behind a policy sent by weight transfer."""
+RESEND = (
+    "the published policy came by weight transfer: tokenkeep cannot reload it, the trainer's "
+    "next publish sends it (after a new transfer group, if it left the old one)"
+)
+
+
+async def stop_task(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+def _lease_busy() -> PublishError:
+    return PublishError(
+        409,
+        f"another publish or catch-up held the fleet for {PUBLISH_LEASE_S:g}s; retry",
+        "publish_in_progress",
+    )

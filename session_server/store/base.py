@@ -90,6 +90,12 @@ class SessionMeta:
     """SHA-256 of the session's API key (session_server.api.auth); empty: none issued."""
     routed_experts: bool = False
     """MoE routing replay: ask the engine for each turn's expert routes and store them."""
+    reasoning_ended: bool | None = None
+    """Turns are sent with vLLM's `reasoning_ended` unless a request says otherwise: a
+    `tool_choice` or structured-output constraint applies from the first sampled token."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Variables every turn's chat template renders with (`enable_thinking`), under the
+    request's own `chat_template_kwargs`, key by key."""
     group: str | None = None
     """The rollout group (the G samples of one prompt) this session belongs to."""
     group_size: int | None = None

@@ -159,6 +159,20 @@ class TurnPlanner(CorePart):
             lambda: self._plan_messages(session_id, conversation, many, chars > OFF_LOOP_CHARS),
         )
 
+    def _template_kwargs(self, meta: SessionMeta, conversation: Conversation) -> dict[str, Any]:
+        """What the chat template renders with: the request's `chat_template_kwargs` over
+        the session's, key by key; then Messages' `thinking` as `enable_thinking` where the
+        template reads it and neither set it (a trainer's session default wins over the
+        `thinking` a harness such as Claude Code sends on every request)."""
+        kwargs = {**(meta.chat_template_kwargs or {}), **conversation.template_kwargs}
+        if (
+            conversation.thinking is not None
+            and "enable_thinking" not in kwargs
+            and self.model.template_reads("enable_thinking")
+        ):
+            kwargs["enable_thinking"] = conversation.thinking
+        return kwargs
+
     def _check_current(self, meta: SessionMeta, found: LookupResult) -> None:
         """Before anything is generated: the session the lookup read is the one `meta`
         describes (not deleted and created again since it was cached), and it is not
@@ -183,6 +197,7 @@ class TurnPlanner(CorePart):
         thread hand-off would cost more than its work."""
         started = time.perf_counter()
         meta = await self.sessions.get(session_id)
+        conversation.template_kwargs = self._template_kwargs(meta, conversation)
         rules = compile_rules(meta.normalization) if meta.normalization else None
         if rules:
             check_normalization_cost(conversation, rules)
@@ -381,6 +396,7 @@ class TurnPlanner(CorePart):
                     parent.finish_reason,
                     new_messages,
                     conversation.tools,
+                    conversation.template_kwargs,
                 )
             else:
                 assert found.matched_key_index is not None
@@ -394,6 +410,7 @@ class TurnPlanner(CorePart):
                 history,
                 new_messages,
                 conversation.tools,
+                conversation.template_kwargs,
             )
             if bridge.delta is not None:
                 kind = "fork" if found.parent_children else "extend"
@@ -459,6 +476,7 @@ class TurnPlanner(CorePart):
                     messages[: j + 1],
                     messages[j + 1 :],
                     conversation.tools,
+                    conversation.template_kwargs,
                 )
                 if bridge.delta is not None:
                     return [
@@ -467,7 +485,7 @@ class TurnPlanner(CorePart):
                         *bridge.delta,
                     ]
             break
-        return self.model.render_prompt(messages, conversation.tools)
+        return self.model.render_prompt(messages, conversation.tools, conversation.template_kwargs)
 
     def _rewrite(
         self,

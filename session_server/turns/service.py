@@ -33,6 +33,7 @@ from session_server.service_config import ServiceConfig
 from session_server.splice import ChatModel
 from session_server.store.base import (
     Finish,
+    SessionMeta,
     SessionStore,
     WeightSpan,
 )
@@ -199,7 +200,7 @@ class TurnService:
                     session_id,
                     sent,
                     plan.sampling,
-                    reasoning_ended=conversation.reasoning_ended,
+                    reasoning_ended=reasoning_ended(conversation, plan.session),
                     images=images,
                     prompt_json=None if images else plan.prompt_json,
                 )
@@ -265,7 +266,7 @@ class TurnService:
             session_id,
             sent,
             plan.sampling,
-            reasoning_ended=conversation.reasoning_ended,
+            reasoning_ended=reasoning_ended(conversation, plan.session),
             images=images,
             prompt_json=None if images else plan.prompt_json,
         )
@@ -393,3 +394,10 @@ class TurnService:
                 "the engine reports a prompt that differs from the spliced prompt "
                 f"({len(reported)} vs {len(plan.prompt_ids)} tokens); nothing was stored"
             )
+
+
+def reasoning_ended(conversation: Conversation, session: SessionMeta) -> bool | None:
+    """The request's `reasoning_ended`, else the session's (None: the engine's default)."""
+    if conversation.reasoning_ended is not None:
+        return conversation.reasoning_ended
+    return session.reasoning_ended

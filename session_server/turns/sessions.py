@@ -92,6 +92,8 @@ class SessionCache:
         return_token_ids: bool | None = None,
         key_hash: str = "",
         routed_experts: bool | None = None,
+        reasoning_ended: bool | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
         group: str | None = None,
         group_size: int | None = None,
     ) -> SessionMeta:
@@ -107,6 +109,8 @@ class SessionCache:
             return_token_ids=return_token_ids,
             key_hash=key_hash,
             routed_experts=self.config.routed_experts if routed_experts is None else routed_experts,
+            reasoning_ended=reasoning_ended,
+            chat_template_kwargs=chat_template_kwargs or None,
             group=group,
             group_size=group_size,
         )

@@ -1,8 +1,9 @@
 """The path every user takes, on a real node: `helm install`, `kubectl apply -f examples/cpu/`,
 then a harness (the openai SDK) through the SessionServer's Service, to vLLM CPU engine pods;
-then what happens to a running stack: an engine pod replaced, the ModelServer scaled to two,
-a trainer Job publishing a policy to both replicas (and a replaced replica caught up to it),
-`helm upgrade`, faults an admin must fix, and the uninstall.
+then what happens to a running stack: the ModelServer scaled to two, a trainer Job publishing a
+policy to both replicas, an engine pod replaced (caught up to the policy before it serves, the
+session it served going on as one segment), `helm upgrade`, faults an admin must fix, and the
+uninstall.
 
 The ModelServer is examples/cpu/modelserver.yaml with one addition, `spec.policy.checkpoints`
 naming a claim of the default StorageClass (what a trainer writes and the engines reload from):
@@ -341,23 +342,6 @@ def test_a_tool_loop_through_the_service_is_one_contiguous_segment(stack: Stack)
         assert "Traceback" not in logs, logs
 
 
-def test_the_same_session_continues_on_a_replaced_engine_pod(stack: Stack) -> None:
-    """Delete the engine pod: the Deployment replaces it (maxSurge 0: meanwhile there is no
-    engine, and turns get a clean 503), the session servers find the replacement through the
-    headless Service's DNS, and the session started before goes on as one segment."""
-    node = stack.node
-    conversation = stack.conversation()
-    conversation.turn()
-    conversation.turn()
-    [engine] = node.json("get", "pods", "-n", NS, "-l", ENGINE_PODS)["items"]
-    started = time.monotonic()
-    node.kubectl("delete", "pod", "-n", NS, engine["metadata"]["name"], "--timeout=300s")
-    wait_for(lambda: pods_ready(node, ENGINE_PODS, 1), timeout=900, interval=5)
-    node.timings["engine_replaced_s"] = time.monotonic() - started
-    conversation.turn_when_served()
-    conversation.assert_one_contiguous_segment()
-
-
 def engine_key(node: Node) -> str:
     """The engine key the operator generated (the engines ask for it on all but /health)."""
     secret = node.json("get", "secret", "tiny-qwen3-engine-key", "-n", NS)
@@ -371,7 +355,7 @@ def live_engine_pods(node: Node) -> list[dict[str, Any]]:
 
 def engine_requests(node: Node) -> dict[str, float]:
     """Finished requests per engine pod, from each vLLM's own /metrics (pod IPs are reachable
-    from the node; the engine key opens them)."""
+    from the node; /metrics needs no engine key, which is sent all the same)."""
     counted = {}
     headers = {"Authorization": f"Bearer {engine_key(node)}"}
     for pod in live_engine_pods(node):
@@ -387,6 +371,24 @@ def finished_requests(url: str, headers: dict[str, str]) -> float:
     lines = [line for line in text.splitlines() if line.startswith("vllm:request_success_total")]
     assert lines, f"vLLM reports no vllm:request_success_total: {text[:200]}"
     return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+
+def turn_served_by(node: Node, conversation: Conversation) -> str:
+    """One turn of `conversation`, and the engine pod that served it (the one whose finished
+    requests grew)."""
+    before = engine_requests(node)
+    conversation.turn()
+    # vLLM counts a request as it finishes, maybe just after answering.
+    after = wait_for(
+        lambda: (
+            (now := engine_requests(node)) and sum(now.values()) >= sum(before.values()) + 1 and now
+        ),
+        timeout=30,
+        interval=0.5,
+    )
+    moved = [name for name in after if after[name] > before.get(name, 0)]
+    assert len(moved) == 1, (before, after)
+    return moved[0]
 
 
 def engines_discovered(stack: Stack, count: int) -> bool:
@@ -436,21 +438,7 @@ class TestTwoEngineReplicas:
             conversation = stack.conversation()
             engines = set()
             for _ in range(2):
-                before = engine_requests(node)
-                conversation.turn()
-                # vLLM counts a request as it finishes, maybe just after answering.
-                after = wait_for(
-                    lambda before=before: (
-                        (now := engine_requests(node))
-                        and sum(now.values()) >= sum(before.values()) + 1
-                        and now
-                    ),
-                    timeout=30,
-                    interval=0.5,
-                )
-                moved = [name for name in after if after[name] > before.get(name, 0)]
-                assert len(moved) == 1, (before, after)
-                engines.add(moved[0])
+                engines.add(turn_served_by(node, conversation))
             conversation.assert_one_contiguous_segment()
             assert len(engines) == 1, f"session {conversation.session_id} moved: {engines}"
             served_by[conversation.session_id] = engines
@@ -469,10 +457,12 @@ class TestTwoEngineReplicas:
         out: the tokenkeep image has no torch to train with): the same weights under a new
         version, but the publish, the in-place reload, the version stamping and the catch-up
         are the real ones. Then both replicas serve "1" (GET /policy, the SessionServer's
-        status.policy), a turn is stamped "1"; an engine pod deleted comes back on its base
-        weights ("default"), is fenced, reloaded from /checkpoints/step-1 by tokenkeep, and
-        only then serves: no request reaches it before, and every turn stored meanwhile
-        carries version "1"."""
+        status.policy), a turn is stamped "1"; the engine pod that served it is deleted and
+        comes back on its base weights ("default"), is fenced, reloaded from
+        /checkpoints/step-1 by tokenkeep, and only then serves: no request reaches it before,
+        every turn stored meanwhile carries version "1", and the session whose engine was
+        replaced goes on as one segment (the only engine-pod replacement of the tier: each
+        costs an engine start)."""
         node = stack.node
         started = time.monotonic()
         node.kubectl("apply", "-n", NS, "-f", "-", input=yaml.safe_dump(trainer_job(stack)))
@@ -510,17 +500,19 @@ class TestTwoEngineReplicas:
 
         conversation = stack.conversation()
         conversation.turn()
+        # The engine pod serving this session is replaced: its successor starts from the
+        # image's model (base weights).
+        victim = turn_served_by(node, conversation)
         assert weight_versions(conversation) == {"1"}
-
-        # An engine pod replaced: its successor starts from the image's model (base weights).
         old_pods = {p["metadata"]["name"] for p in live_engine_pods(node)}
-        victim = sorted(old_pods)[0]
         turns = TurnsMeanwhile(stack)
         turns.start()
         try:
+            deleted_at = time.monotonic()
             node.kubectl("delete", "pod", "-n", NS, victim, "--wait=false")
             fresh = wait_for(lambda: ready_successor(node, old_pods), timeout=900, interval=0.5)
             ready_at = time.monotonic()
+            node.timings["engine_replaced_s"] = ready_at - deleted_at
             ip = fresh["status"]["podIP"]
             metrics = f"http://{ip}:8000/metrics"
             headers = {"Authorization": f"Bearer {engine_key(node)}"}
@@ -558,6 +550,9 @@ class TestTwoEngineReplicas:
             weight_versions(c) == {"1"} for c in turns.conversations if c.turns
         ), [(c.session_id, weight_versions(c)) for c in turns.conversations]
         print(f"turns meanwhile: {sum(len(c.turns) for c in turns.conversations)}")
+        conversation.turn_when_served()
+        conversation.assert_one_contiguous_segment()
+        assert weight_versions(conversation) == {"1"}
         node.kubectl("delete", "job", "trainer-step-1", "-n", NS, "--cascade=foreground")
 
 
@@ -745,8 +740,10 @@ def test_faults_are_conditions_with_warnings_and_recover_once_fixed(stack: Stack
     node (ErrImageNeverPull) for its session server and its Redis (Redis down at start): each
     a condition and a Warning event saying what to do; once the cause is fixed (the reference
     corrected, the images imported) it becomes Ready with no edit of the resource. Meanwhile a
-    ModelServer with a wrong model path crash-loops and says why. The operator never
-    restarts."""
+    ModelServer with a wrong model path crash-loops and says why. A SessionServer in front of a
+    ModelServer scaled to 0 (no engine up) keeps its session API: its pods are Ready, a
+    session is created, finished and exported, and a turn is a clean, retryable 503 in the
+    API's own shape. The operator never restarts."""
     node = stack.node
     session_image = stack.node.images["tokenkeep"]["ref"] + "-fault"
     redis_image = stack.node.images["redis"]["ref"] + "-fault"
@@ -773,7 +770,27 @@ def test_faults_are_conditions_with_warnings_and_recover_once_fixed(stack: Stack
     broken["metadata"]["name"] = "wrong-path"
     broken["spec"]["model"]["uri"] = "file:///models/not-there"
     broken["spec"]["resources"] |= {"cpu": "10m", "memory": "2Gi"}
-    node.kubectl("apply", "-n", NS, "-f", "-", input=yaml.safe_dump_all([faulty, broken]))
+    stranded = {
+        **faulty,
+        "metadata": {"name": "stranded"},
+        "spec": {
+            **faulty["spec"],
+            "modelServerRef": {"name": "idle"},
+            "image": stack.node.images["tokenkeep"]["ref"],
+            "redis": {
+                "mode": "Managed",
+                "managed": {
+                    **faulty["spec"]["redis"]["managed"],
+                    "image": stack.node.images["redis"]["ref"],
+                },
+            },
+        },
+    }
+    idle = yaml.safe_load((EXAMPLES / "modelserver.yaml").read_text())
+    idle["metadata"]["name"] = "idle"
+    idle["spec"]["replicas"] = 0  # its engines are all gone: none is ever up
+    objects = [faulty, broken, idle, stranded]
+    node.kubectl("apply", "-n", NS, "-f", "-", input=yaml.safe_dump_all(objects))
 
     def fault(kind: str, name: str, reason: str) -> dict[str, Any]:
         obj = node.json("get", kind, name, "-n", NS)
@@ -797,6 +814,9 @@ def test_faults_are_conditions_with_warnings_and_recover_once_fixed(stack: Stack
     assert "its last log line:" in crashed["message"], crashed
     assert "not-there" in crashed["message"], crashed
     node.kubectl("delete", "modelserver", "wrong-path", "-n", NS, "--wait=false")
+    session_api_without_engines(node, "stranded")
+    node.kubectl("delete", "sessionserver", "stranded", "-n", NS, "--wait=false")
+    node.kubectl("delete", "modelserver", "idle", "-n", NS, "--wait=false")
 
     # The fix: the images the resource names are put on the node. Nothing else is touched.
     node.tag_image(stack.node.images["tokenkeep"]["ref"], session_image)
@@ -807,6 +827,44 @@ def test_faults_are_conditions_with_warnings_and_recover_once_fixed(stack: Stack
 
     for operator in node.json("get", "pods", "-n", OPERATOR_NAMESPACE)["items"]:
         assert all(c["restartCount"] == 0 for c in operator["status"]["containerStatuses"])
+
+
+def session_api_without_engines(node: Node, name: str) -> None:
+    """SessionServer `name`, whose ModelServer never has an engine up: its pods and the
+    resource are Ready (readiness needs Redis only); through its Service a
+    session is created, a turn is refused at once with a retryable 503 in the OpenAI shape,
+    and the session is finished and exported (issue 35: the session API stays up while
+    engines restart)."""
+    pods = f"app.kubernetes.io/name=tokenkeep,app.kubernetes.io/instance={name}"
+    wait_for(lambda: pods_ready(node, pods, 1), timeout=600, interval=5)
+    wait_for(lambda: ready(node, "sessionserver", name), timeout=300, interval=5)
+    service = node.json("get", "service", f"{name}-sessions", "-n", NS)
+    base = f"http://{service['spec']['clusterIP']}:{service['spec']['ports'][0]['port']}"
+    secret = node.json("get", "secret", f"{name}-admin-key", "-n", NS)
+    key = base64.b64decode(secret["data"]["admin-key"]).decode()
+    session_id = f"stranded-{uuid.uuid4().hex[:8]}"
+    with httpx.Client(
+        base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=60
+    ) as admin:
+        assert admin.get("/readyz").status_code == 200
+        created = admin.post("/sessions", json={"id": session_id})
+        assert created.status_code == 201, created.text
+        body = created.json()
+        client = openai.OpenAI(
+            base_url=body["openai_base_url"], api_key=body["api_key"], timeout=60, max_retries=0
+        )
+        with pytest.raises(openai.APIStatusError) as refused:
+            client.chat.completions.create(
+                model=session_id, messages=[{"role": "user", "content": "hi"}], max_tokens=4
+            )
+        assert refused.value.status_code == 503, refused.value
+        assert "no engine replica is ready" in refused.value.message, refused.value.message
+        assert refused.value.response.headers.get("retry-after"), refused.value.response.headers
+        finished = admin.post(f"/sessions/{session_id}/finish", json={"reward": 0.0})
+        assert finished.status_code == 200, finished.text
+        exported = admin.post("/sessions/export", json={"session_ids": [session_id]})
+        assert exported.status_code == 200, exported.text
+        assert admin.get(f"/sessions/{session_id}").json()["id"] == session_id
 
 
 def test_deleting_the_resources_and_uninstalling_leaves_nothing(stack: Stack) -> None:

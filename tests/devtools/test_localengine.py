@@ -99,3 +99,35 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
+
+
+def test_setup_progress_names_new_output_once_then_says_still_running(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pip step that goes quiet (torch unpacking) gets a line per interval, but never the
+    same stale output line again (issue 39: "Successfully uninstalled setuptools" x6)."""
+    monkeypatch.setenv("TOKENKEEP_CACHE_DIR", str(tmp_path))
+    localengine.engine_dir().mkdir(parents=True)
+    lines: list[str] = []
+    quiet_then_done = "import time; print('Collecting torch', flush=True); time.sleep(1.2)"
+    localengine._run_step(
+        "pip install", [sys.executable, "-c", quiet_then_done], tmp_path / "log", lines.append,
+        time.monotonic(), every_s=0.3,
+    )  # fmt: skip
+    notes = [line.rsplit(" (", 1)[0] for line in lines[1:]]
+    assert notes[0] == "[engine]   Collecting torch", lines
+    assert len(notes) >= 3 and set(notes[1:]) == {"[engine]   still running: pip install"}, lines
+
+
+def test_first_run_is_told_apart_from_a_cached_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TOKENKEEP_CACHE_DIR", str(tmp_path))
+    assert not localengine.is_set_up()
+    localengine.venv_dir().mkdir(parents=True)
+    (localengine.venv_dir() / "installed.json").write_text("{}")
+    assert not localengine.is_set_up()  # installed, model not built yet
+    localengine.model_dir().mkdir(parents=True)
+    (localengine.model_dir() / "built.json").write_text("{}")
+    assert localengine.is_set_up()
+    assert not localengine.is_set_up(localengine.VISION_MODEL_NAME)

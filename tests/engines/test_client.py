@@ -11,13 +11,13 @@ from typing import Any
 import httpx
 import pytest
 
+from session_server.engine_replicas import rendezvous_order
 from session_server.engines import (
     EngineClient,
     EngineError,
     GenerationDelta,
     Protocol,
     StreamStart,
-    rendezvous_order,
 )
 from tests.engine_double import (
     COMPLETIONS_PATH,

@@ -89,7 +89,9 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     name = localengine.served_name(localengine.TINY_MODEL_NAME)
 
     def replica() -> localengine.LocalEngine:
-        return localengine.start(dev_mode=True, engine_key=ENGINE_KEY)
+        # vLLM's transfer engine too (NCCL: constructed on the CPU, never joined here).
+        transfer = ["--weight-transfer-config", json.dumps({"backend": "nccl"})]
+        return localengine.start(dev_mode=True, engine_key=ENGINE_KEY, extra_args=transfer)
 
     # Started side by side; the pool's threads live as long as the engines: an engine is
     # signalled when the thread that started it ends (localengine's parent-death signal).
@@ -304,7 +306,7 @@ def test_refused_publishes_touch_no_engine(fleet: Fleet, tmp_path: Path) -> None
             "missing folder": ({"version": version, "source": {"path": "/no/such/dir"}}, 400),
             "misfit": ({"version": version, "source": {"path": str(misfit)}}, 422),
             "not newer": ({"version": int(before["version"]), "source": source}, 409),
-            "transfer": ({"version": version, "source": {"transfer": {"backend": "nccl"}}}, 501),
+            "transfer, no group": ({"version": version, "source": {"transfer": {}}}, 409),
             "bad pause": ({"version": version, "source": source, "pause": "later"}, 400),
         }
         for name, (body, status) in refusals.items():
@@ -314,6 +316,9 @@ def test_refused_publishes_touch_no_engine(fleet: Fleet, tmp_path: Path) -> None
         assert httpx.post(f"{fleet.servers[0]}/policy", json=refusals["misfit"][0]).status_code == (
             401
         )
+        # vLLM's own /get_world_size: the trainer's rank 0 and each replica's one CPU worker.
+        group = http.get("/policy/transfer").json()
+        assert (group["world_size"], group["group"]) == (3, None), group
         session = http.post("/sessions", json={}).json()
         as_session = httpx.post(
             f"{fleet.servers[0]}/policy",
@@ -325,6 +330,29 @@ def test_refused_publishes_touch_no_engine(fleet: Fleet, tmp_path: Path) -> None
     assert after["version"] == before["version"]
     assert after["published_at"] == before["published_at"]
     assert [r["version"] for r in after["replicas"]] == [before["version"]] * 2
+
+
+def test_a_weight_update_finished_without_weights_keeps_the_old_ones_exactly(
+    fleet: Fleet,
+) -> None:
+    """What a transfer publish's rollback relies on (policy/transfer.py::_put_back: a replica
+    started, then no broadcast): vLLM's finish with no update in between puts the old weights
+    back, bit for bit. The real engine's answers to the calls the transfer double mimics."""
+    engine = fleet.engines[1]
+    before = prompt_logprobs(engine.url)
+    headers = {"authorization": f"Bearer {ENGINE_KEY}"}
+    # Its own connection: vLLM's server closes it after a worker error's 500.
+    early = httpx.post(
+        engine.url + "/update_weights", json={"update_info": {"names": []}}, headers=headers
+    )
+    assert early.status_code == 500
+    assert "start_weight_update must be called before" in early.json()["error"]["message"]
+    with httpx.Client(base_url=engine.url, headers=headers, timeout=120) as http:
+        assert http.post("/pause", params={"mode": "keep"}).status_code == 200
+        for path in ("/start_weight_update", "/finish_weight_update", "/resume"):
+            answer = http.post(path)
+            assert answer.status_code == 200, (path, answer.text)
+    assert prompt_logprobs(engine.url) == before
 
 
 def test_a_replica_restarted_on_base_weights_gets_no_turn_until_caught_up(

@@ -446,3 +446,62 @@ def test_an_earlier_image_no_longer_stored_is_a_400(
     assert refused.value.body["param"] == "previous_response_id"  # type: ignore[index]
     assert http.get(f"/sessions/{session['id']}").json() == before
     assert http.get(f"/sessions/{session['id']}/trajectory").json() == trajectory
+
+
+@pytest.mark.parametrize("api", ["chat", "messages"])
+def test_a_chat_or_anthropic_history_without_an_earlier_image_gets_none_put_back(
+    vision_stack: RealStack, api: str
+) -> None:
+    """Chat Completions and Anthropic Messages cannot continue stored state: by their
+    definitions a request is the whole conversation. A client that resends its history with
+    turn 1's image left out has asked about a conversation without it: the engine gets only
+    the image that was sent (the stored one is not put back) and the turn starts a new
+    segment, since its messages no longer match what was sampled."""
+    import anthropic
+
+    http = vision_stack.http()
+    session = http.post("/sessions", json={"sampling": {"seed": 8}}).json()
+    first, second = screenshot(64, 48, 41), screenshot(200, 100, 42)
+    model = vision_stack.engine.served_model_name
+    before = len(vision_stack.relay.exchanges)
+    question = {"type": "text", "text": "What is this?"}
+    if api == "chat":
+        client = vision_stack.openai(session)
+        messages: list[dict[str, Any]] = [
+            {"role": "user", "content": [question, image_part(first)]}
+        ]
+        reply = client.chat.completions.create(model=model, max_tokens=4, messages=messages)
+        messages += [
+            {"role": "assistant", "content": reply.choices[0].message.content},
+            {"role": "user", "content": [image_part(second), {"type": "text", "text": "And?"}]},
+        ]
+        messages[0]["content"] = [question]  # the image left out of the resent history
+        client.chat.completions.create(model=model, max_tokens=4, messages=messages)
+    else:
+        agent = anthropic.Anthropic(
+            base_url=session["anthropic_base_url"], api_key=session["api_key"], max_retries=0
+        )
+
+        def block(data: bytes) -> dict[str, Any]:
+            encoded = base64.b64encode(data).decode()
+            return {
+                "type": "image",
+                "source": {"type": "base64", "media_type": "image/png", "data": encoded},
+            }
+
+        messages = [{"role": "user", "content": [question, block(first)]}]
+        answer = agent.messages.create(model=model, max_tokens=4, messages=messages)
+        messages += [
+            {"role": "assistant", "content": [b.model_dump() for b in answer.content]},
+            {"role": "user", "content": [block(second), {"type": "text", "text": "And?"}]},
+        ]
+        messages[0]["content"] = [question]
+        agent.messages.create(model=model, max_tokens=4, messages=messages)
+    exchanges = vision_stack.relay.exchanges[before:]
+    sent = [
+        [base64.b64decode(p["url"].split(",", 1)[1]) for p in e.content_parts or []]
+        for e in exchanges
+    ]
+    assert sent == [[first], [second]]
+    summary = http.get(f"/sessions/{session['id']}").json()
+    assert (summary["turns"], summary["segments"]) == (2, 2)

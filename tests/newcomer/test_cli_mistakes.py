@@ -4,6 +4,7 @@ as a newcomer runs it."""
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import socket
@@ -115,7 +116,7 @@ CASES = [
     (serve("--redis-url", "mysql://db"), {}, "Redis URL must specify one of the following"),
     (["check"], {}, "required: --tokenizer"),
     (["check", "--tokenizer", "/no/such/tokenizer"], {}, "not a directory"),
-    (["sessions"], {}, "required: command"),
+    (["sessions", "frob"], {}, "invalid choice: 'frob'"),
     (["sessions", "--url", "localhost:8000", "list"], {}, "not an http:// or https:// URL"),
     (["sessions", "list"], {"TOKENKEEP_URL": "ftp://host"}, "not an http:// or https:// URL"),
     (["export", "--session", "s"], {}, "required: -o/--output"),
@@ -153,12 +154,27 @@ def test_an_unreachable_server_says_which_url_to_pass(
     assert not (tmp_path / "batch.jsonl").exists()
 
 
-def test_the_default_url_is_where_serve_listens_by_default() -> None:
+def test_the_default_url_is_where_serve_listens_by_default(tmp_path: Path) -> None:
     host, port = (Settings.model_fields[name].default for name in ("host", "port"))
-    result = run("sessions", "list")
+    result = run("sessions", "list", env={"TOKENKEEP_CACHE_DIR": str(tmp_path)})
     if result.returncode == 0:
         pytest.skip("a server listens at serve's default address on this machine")
     assert f"cannot reach http://{host}:{port} " in result.stderr
+    assert "`tokenkeep demo` (found without --url while it runs)" in result.stderr
+
+
+def test_sessions_finds_a_running_demo_without_url(keyed_url: str, tmp_path: Path) -> None:
+    """`tokenkeep demo` announces its server in the cache folder while it runs: `tokenkeep
+    sessions` (no command: the listing) reads it; a file whose demo is gone is ignored."""
+    env = {"TOKENKEEP_CACHE_DIR": str(tmp_path), "TOKENKEEP_ADMIN_KEY": KEY}
+    announced = tmp_path / "local-stack.json"
+    announced.write_text(json.dumps({"url": keyed_url, "pid": os.getpid()}))
+    found = run("sessions", env=env)
+    assert found.returncode == 0 and "sessions (offset 0)" in found.stdout, found.stderr
+    ended = subprocess.Popen(["true"])  # a demo that was killed: its process is gone
+    ended.wait()
+    announced.write_text(json.dumps({"url": keyed_url, "pid": ended.pid}))
+    assert_one_line_mistake(run("sessions", env=env), "cannot reach http://127.0.0.1:8000")
 
 
 @pytest.mark.parametrize("command", [["sessions", "list"], ["export", "-o", "batch.jsonl"]])
@@ -224,16 +240,20 @@ def test_serve_help_describes_itself_marks_required_flags_and_shows_defaults() -
 
 
 @pytest.mark.parametrize("command", ["check", "sessions", "export"])
-def test_the_other_commands_describe_themselves_and_show_defaults(command: str) -> None:
-    result = run(command, "--help", env={"TOKENKEEP_ADMIN_KEY": KEY})
+def test_the_other_commands_describe_themselves_and_show_defaults(
+    command: str, tmp_path: Path
+) -> None:
+    # An empty cache folder: no running demo to take the default URL from.
+    result = run(command, "--help", env={"TOKENKEEP_ADMIN_KEY": KEY,
+                                         "TOKENKEEP_CACHE_DIR": str(tmp_path)})  # fmt: skip
     assert result.returncode == 0, result.stderr
     text = " ".join(result.stdout.split())
     assert result.stdout.splitlines()[0].startswith(f"usage: tokenkeep {command}")
     assert KEY not in text  # the key from the environment is no default to print
     expected = {
         "check": "(required)",
-        "sessions": "(TOKENKEEP_URL; where `tokenkeep serve` listens by default) "
-        "(default: http://127.0.0.1:8000)",
+        "sessions": "(TOKENKEEP_URL; else a running `tokenkeep demo`; else where `tokenkeep "
+        "serve` listens by default) (default: http://127.0.0.1:8000)",
         "export": "--limit LIMIT most sessions a selector picks (default: 1000)",
     }[command]
     assert expected in text

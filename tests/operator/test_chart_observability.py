@@ -1,5 +1,5 @@
-"""The chart's optional Grafana dashboard ConfigMap and ServiceMonitor: off by default, and
-when on, aimed at what the operator actually deploys."""
+"""The chart's optional Grafana dashboard ConfigMap, ServiceMonitor and PodMonitor: off by
+default, and when on, aimed at what the operator actually deploys."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from tests.operator.conftest import load_example
 from tests.operator.helm_binary import helm_binary
 from tests.operator.test_chart import CHART, VALUES, render
-from tests.operator.test_manifests import render_sessionserver
+from tests.operator.test_manifests import render_modelserver, render_sessionserver
 
 OBSERVABILITY = next(v for v in VALUES if v.stem == "observability")
 DEFAULTS = next(v for v in VALUES if v.stem == "defaults")
@@ -24,7 +24,7 @@ def helm() -> Path:
 
 def test_off_by_default(helm: Path) -> None:
     kinds = {doc["kind"] for doc in render(helm, DEFAULTS)}
-    assert "ServiceMonitor" not in kinds
+    assert "ServiceMonitor" not in kinds and "PodMonitor" not in kinds
     assert not any(
         doc["kind"] == "ConfigMap" and "grafana_dashboard" in doc["metadata"].get("labels", {})
         for doc in render(helm, DEFAULTS)
@@ -53,3 +53,29 @@ def test_service_monitor_selects_the_session_server_service(helm: Path) -> None:
     assert endpoint["path"] == "/metrics"
     assert endpoint["port"] in {p["name"] for p in selected[0]["spec"]["ports"]}
     assert monitor["spec"]["namespaceSelector"] == {"any": True}
+
+
+def test_pod_monitor_scrapes_every_engine_pod_and_nothing_else(helm: Path) -> None:
+    """vLLM's and SGLang's engine pods (both serve /metrics on their `http` port), not the
+    session servers (the ServiceMonitor's) nor Redis."""
+    (monitor,) = [d for d in render(helm, OBSERVABILITY) if d["kind"] == "PodMonitor"]
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    wanted = monitor["spec"]["selector"]["matchLabels"]
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["path"] == "/metrics"
+    assert monitor["spec"]["namespaceSelector"] == {"any": True}
+    sglang = load_example("gpu/sglang-moe-dp8-ep.yaml")
+    children = [
+        *render_modelserver(load_example("modelserver-qwen3-8b.yaml")),
+        *render_modelserver(sglang),
+        *render_sessionserver(load_example("sessionserver.yaml"), sglang),
+    ]
+    pods = [c["spec"]["template"] for c in children if c["kind"] in ("Deployment", "StatefulSet")]
+    scraped = [p for p in pods if wanted.items() <= p["metadata"]["labels"].items()]
+    assert sorted(p["spec"]["containers"][0]["name"] for p in scraped) == ["sglang", "vllm"]
+    for pod in scraped:
+        (container,) = pod["spec"]["containers"]
+        assert endpoint["port"] in {port["name"] for port in container["ports"]}
+        if container["name"] == "sglang":
+            assert "--enable-metrics" in container["args"]

@@ -82,7 +82,7 @@ def test_modelserver_has_scale_subresource_status_and_short_name() -> None:
     assert definition["spec"]["names"]["shortNames"] == ["msrv"]
     assert crd("SessionServer")["spec"]["names"]["shortNames"] == ["ssrv"]
     columns = {c["name"] for c in version["additionalPrinterColumns"]}
-    assert {"Model", "GPUs", "Replicas", "Ready", "Status", "Reason", "Age"} <= columns
+    assert {"Model", "Engine", "GPUs", "Replicas", "Ready", "Status", "Reason", "Age"} <= columns
 
 
 EXAMPLE_FILES = sorted(p.name for p in EXAMPLES.glob("*.yaml"))
@@ -115,7 +115,11 @@ def _modelserver(**spec_changes: Any) -> dict[str, Any]:
         ({"resources__gpus": 2, "engine__tensorParallelSize": 4}, "tensor x pipeline x data"),
         ({"resources__gpus": 6, "engine__tensorParallelSize": 4}, "tensor x pipeline x data"),
         ({"resources__gpus": 8}, "set parallelism.data"),
-        ({"parallelism__nodes": 2}, "multi-node engine, which is not built yet"),
+        ({"parallelism__nodes": 2, "resources__gpus": 0}, "needs resources.gpus per pod"),
+        (
+            {"parallelism__nodes": 2, "parallelism__data": 3, "resources__gpus": 3},
+            "a multiple of parallelism.nodes",
+        ),
         ({"parallelism__data": 2, "parallelism__dataLocal": 1}, "leave dataLocal unset"),
         (
             {"parallelism__tensor": 4, "engine__tensorParallelSize": 2},
@@ -198,11 +202,31 @@ def test_every_error_at_once_in_field_paths_without_pydantic_noise() -> None:
             "set spec.parallelism.data: 1 (data-parallel engine ranks) or "
             "spec.parallelism.tensor: 1 or spec.resources.gpus: 64",
         ),
+        # Two nodes of 16 GPUs hold 32 ranks, not 16.
         (
             {"resources__gpus": 16, "parallelism__data": 16, "parallelism__nodes": 2},
-            "spec.parallelism.nodes: 2 asks for a multi-node engine, which is not built yet "
-            "(LeaderWorkerSet, issue 35): set parallelism.nodes to 1 and fit the model on one "
-            "node",
+            "spec.resources.gpus: 16 GPUs per pod x 2 nodes = 32, but tensor x pipeline x data "
+            "= 1 x 1 x 16 = 16; set spec.parallelism.data: 32 (data-parallel engine ranks) or "
+            "spec.parallelism.tensor: 2 or spec.parallelism.pipeline: 2 or "
+            "spec.resources.gpus: 8",
+        ),
+        # A multi-node engine of CPU pods: vLLM spreads GPU ranks.
+        (
+            {"resources__gpus": 0, "parallelism__nodes": 2},
+            "spec.resources.gpus: a multi-node engine (parallelism.nodes > 1) needs "
+            "resources.gpus per pod: vLLM spreads GPU ranks over the nodes",
+        ),
+        # 6 ranks over 4 nodes: a data-parallel rank would straddle two nodes.
+        (
+            {
+                "resources__gpus": 3,
+                "parallelism__data": 6,
+                "parallelism__tensor": 2,
+                "parallelism__nodes": 4,
+            },
+            "spec.parallelism.data: 6 data-parallel ranks cannot be spread over 4 nodes; set "
+            "spec.parallelism.data to 1 (tensor x pipeline span the nodes) or a multiple of 4 "
+            "(whole ranks on every node)",
         ),
         (
             {"resources__gpus": 4, "parallelism__tensor": 4, "engine__tensorParallelSize": 2},
@@ -232,6 +256,27 @@ def test_impossible_parallel_shapes_are_refused_naming_the_fields_to_change(
         {"resources__gpus": 4, "engine__tensorParallelSize": 4},  # the older field
         {"resources__gpus": 4, "parallelism__tensor": 4, "engine__tensorParallelSize": 4},
         {"resources__gpus": 0, "parallelism__data": 2},  # a CPU engine: no GPU count
+        # Two nodes: tensor x pipeline across them, or whole data-parallel ranks on each.
+        {
+            "resources__gpus": 8,
+            "parallelism__tensor": 8,
+            "parallelism__pipeline": 2,
+            "parallelism__nodes": 2,
+        },
+        {"resources__gpus": 4, "parallelism__tensor": 8, "parallelism__nodes": 2},
+        {
+            "resources__gpus": 8,
+            "parallelism__data": 16,
+            "parallelism__expert": True,
+            "parallelism__nodes": 2,
+        },
+        {
+            "resources__gpus": 8,
+            "parallelism__data": 8,
+            "parallelism__dataLocal": 4,
+            "parallelism__tensor": 2,
+            "parallelism__nodes": 2,
+        },
     ],
 )
 def test_consistent_parallel_shapes_are_accepted(changes: dict[str, Any]) -> None:
@@ -251,39 +296,15 @@ def test_gpu_examples_are_the_four_shapes() -> None:
         "dense-8b.yaml",
         "moe-dp8-ep.yaml",
         "moe-two-nodes.yaml",
+        "sglang-moe-dp8-ep.yaml",
     ]
 
 
-@pytest.mark.parametrize("name", [n for n in GPU_EXAMPLES if n != "moe-two-nodes.yaml"])
+@pytest.mark.parametrize("name", GPU_EXAMPLES)
 def test_gpu_examples_are_accepted(name: str) -> None:
     resource = yaml.safe_load((EXAMPLES / "gpu" / name).read_text())
     assert custom_resource_errors(crd(resource["kind"]), resource) == []
     ModelServerSpec.model_validate(resource["spec"])
-
-
-def test_the_two_node_example_is_refused_with_what_its_comment_says() -> None:
-    """Multi-node engines (LeaderWorkerSet) are not built: the example documents the shape,
-    and the API server and the operator refuse it with the message its header quotes."""
-    from tokenkeep_operator.reconcile import validate
-
-    text = (EXAMPLES / "gpu" / "moe-two-nodes.yaml").read_text()
-    resource = yaml.safe_load(text)
-    assert custom_resource_errors(crd("ModelServer"), resource) == [
-        ".spec.parallelism.nodes: nodes > 1 asks for a multi-node engine, which is not built "
-        "yet (LeaderWorkerSet, issue 35): set parallelism.nodes to 1 and fit the model on one "
-        "node"
-    ]
-    _, problems = validate(ModelServerSpec, resource)
-    (problem,) = problems
-    header = " ".join(
-        line.removeprefix("#").strip() for line in text.splitlines() if line.startswith("#   ")
-    )
-    assert problem == header
-    # Everything but nodes is already a valid shape: 16 ranks, 8 per pod, 8 GPUs per pod.
-    resource["spec"]["parallelism"]["nodes"] = 1
-    resource["spec"]["parallelism"]["data"] = 8
-    del resource["spec"]["parallelism"]["dataLocal"]
-    assert custom_resource_errors(crd("ModelServer"), resource) == []
 
 
 def test_every_field_has_a_description() -> None:

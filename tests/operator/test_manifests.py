@@ -4,6 +4,7 @@ rely on (token endpoints on, GPUs consistent, slow loads survive, drains finish)
 from __future__ import annotations
 
 import os
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -12,11 +13,22 @@ import yaml
 
 from session_server.settings import ENV_PREFIX, READ_VARIABLES
 from tests.operator.conftest import TEST_NAMESPACE, load_example, owner_of
-from tests.operator.schemas import validate_builtin
+from tests.operator.schemas import custom_resource_errors, validate_builtin
 from tokenkeep_operator.manifests import engine, redis, session
 from tokenkeep_operator.models import ModelServerSpec, SessionServerSpec
 
 GOLDEN = Path(__file__).parent / "golden"
+# The pinned upstream CRD (tests/operator/crds/README.md).
+LWS_CRD = Path(__file__).parent / "crds" / "leaderworkerset.x-k8s.io_leaderworkersets.yaml"
+
+
+@cache
+def lws_crd() -> dict[str, Any]:
+    """The pinned LeaderWorkerSet CRD, parsed once (1.3 MB, with libyaml where present)."""
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    return yaml.load(LWS_CRD.read_text(), Loader=loader)
+
+
 IMAGE = "registry.example/tokenkeep:0.1.0"
 
 
@@ -107,6 +119,24 @@ def pod_template_modelserver() -> dict[str, Any]:
     return resource
 
 
+def two_node_pipeline_modelserver() -> dict[str, Any]:
+    """A dense model over two nodes: tensor 8 within each node, pipeline 2 across them (the
+    shape vLLM documents for a model that fits no single node), cache claims per pod."""
+    return {
+        "apiVersion": "tokenkeep.dev/v1alpha1",
+        "kind": "ModelServer",
+        "metadata": {"name": "llama-405b"},
+        "spec": {
+            "model": {"uri": "hf://meta-llama/Llama-3.1-405B-Instruct"},
+            "cache": {"size": "1Ti", "retain": True},
+            "parallelism": {"tensor": 8, "pipeline": 2, "nodes": 2},
+            "resources": {"gpus": 8, "sharedMemory": "64Gi"},
+            "replicas": 2,
+            "policy": {"checkpoints": {"claimName": "rl-checkpoints", "mountPath": "/ckpt"}},
+        },
+    }
+
+
 SCENARIOS = {
     "modelserver-qwen3-8b": lambda: render_modelserver(load_example("modelserver-qwen3-8b.yaml")),
     "modelserver-llama-70b-tp4": lambda: render_modelserver(
@@ -126,7 +156,10 @@ SCENARIOS = {
     "gpu-dense-8b": lambda: render_modelserver(load_example("gpu/dense-8b.yaml")),
     "gpu-dense-70b-tp4": lambda: render_modelserver(load_example("gpu/dense-70b-tp4.yaml")),
     "gpu-moe-dp8-ep": lambda: render_modelserver(load_example("gpu/moe-dp8-ep.yaml")),
+    "gpu-sglang-moe-dp8-ep": lambda: render_modelserver(load_example("gpu/sglang-moe-dp8-ep.yaml")),
     "modelserver-pod-template": lambda: render_modelserver(pod_template_modelserver()),
+    "gpu-moe-two-nodes": lambda: render_modelserver(load_example("gpu/moe-two-nodes.yaml")),
+    "modelserver-two-node-pipeline": lambda: render_modelserver(two_node_pipeline_modelserver()),
 }
 
 
@@ -143,8 +176,17 @@ def test_rendered_objects_match_golden_files(scenario: str) -> None:
 
 @pytest.mark.parametrize("scenario", sorted(SCENARIOS))
 def test_rendered_objects_are_valid_kubernetes_objects(scenario: str) -> None:
+    """Built-in kinds against Kubernetes' schemas; a LeaderWorkerSet against the pinned LWS
+    CRD, and its two pod templates as the built-in PodTemplate they are."""
     for obj in SCENARIOS[scenario]():
-        validate_builtin(obj)
+        if obj["kind"] != "LeaderWorkerSet":
+            validate_builtin(obj)
+            continue
+        assert custom_resource_errors(lws_crd(), obj) == []
+        group = obj["spec"]["leaderWorkerTemplate"]
+        for role in ("leaderTemplate", "workerTemplate"):
+            template = {"apiVersion": "v1", "kind": "PodTemplate", "template": group[role]}
+            validate_builtin({**template, "metadata": {"name": role.lower()}})
 
 
 def _every_option_sessionserver() -> list[dict[str, Any]]:
@@ -544,6 +586,25 @@ def test_pvc_model_needs_an_explicit_tokenizer() -> None:
         render_sessionserver(resource, pvc_modelserver())
 
 
+def test_hub_model_revision_pins_the_session_servers_tokenizer() -> None:
+    """The engine loads `model.revision` (`--revision`); the session server's tokenizer must be
+    that revision's too, not `main`'s."""
+    resource = load_example("sessionserver.yaml")
+    model_server = load_example("modelserver-qwen3-8b.yaml")
+    config = next(
+        o for o in render_sessionserver(resource, model_server) if o["kind"] == "ConfigMap"
+    )
+    assert "TOKENKEEP_TOKENIZER_REVISION" not in config["data"]
+    model_server["spec"]["model"]["revision"] = "b968826d9c46dd6066d109eabc6255188de91218"
+    config = next(
+        o for o in render_sessionserver(resource, model_server) if o["kind"] == "ConfigMap"
+    )
+    assert config["data"]["TOKENKEEP_TOKENIZER"] == "Qwen/Qwen3-8B"
+    assert (
+        config["data"]["TOKENKEEP_TOKENIZER_REVISION"] == "b968826d9c46dd6066d109eabc6255188de91218"
+    )
+
+
 def test_redis_pvc_is_deleted_with_the_resource_unless_retained() -> None:
     resource = load_example("sessionserver.yaml")
     objects = render_sessionserver(resource, load_example("modelserver-qwen3-8b.yaml"))
@@ -823,6 +884,7 @@ def test_the_engine_pod_refuses_publishing_endpoints_without_its_key(
         assert status(guarded, "wrong") == 401, guarded
         assert status(guarded, "the-engine-key") == 200, guarded
     assert status("/health") == 200
+    assert status("/metrics") == 200  # the chart's PodMonitor scrapes without a key
 
 
 def test_publishing_off_runs_plain_vllm_and_no_key_anywhere() -> None:

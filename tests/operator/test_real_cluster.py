@@ -12,12 +12,14 @@ import base64
 import copy
 import itertools
 import signal
+import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.operator.conftest import load_example
 from tests.operator.real_cluster import (
@@ -45,6 +47,7 @@ OPERATOR_WRITES = {
     "persistentvolumeclaims",
     "poddisruptionbudgets",
     "networkpolicies",
+    "leaderworkersets",
     "modelservers",
     "modelservers/status",
     "sessionservers",
@@ -418,22 +421,106 @@ def test_invalid_specs_are_reported_in_field_paths(
     assert [e[:2] for e in events(admin, ns, "qwen3-8b")] == [("Warning", "InvalidSpec")]
 
 
-def test_a_multi_node_engine_is_refused_until_it_is_built(
-    admin: Api, ns: str, operator: OperatorProcess
+def test_a_two_node_engine_waits_for_the_lws_api_then_runs_as_one_group_per_replica(
+    cluster: Cluster, admin: Api, ns: str, operator: OperatorProcess
 ) -> None:
-    """examples/gpu/moe-two-nodes.yaml on an API server without CEL: stored, then refused by
-    the operator with the message the example's header quotes; nothing is deployed."""
+    """examples/gpu/moe-two-nodes.yaml. Without the LeaderWorkerSet CRD: LeaderWorkerSetMissing
+    with the install hint, nothing deployed (as for an invalid spec). Once the pinned LWS
+    CRD is installed (`kubectl create`: its `apply` annotation would be too long) the operator
+    notices it by itself and creates the LeaderWorkerSet; with no LWS controller here its
+    status stays empty (starting), and the status a controller would write (one ready group)
+    makes the ModelServer ready. What the operator renders is also accepted whole by the API
+    server (`kubectl create --dry-run=server`)."""
+    from tests.operator.test_manifests import LWS_CRD, render_modelserver
+
     create_example(admin, ns, "gpu/moe-two-nodes.yaml")
+    name = "deepseek-v3-2n"
     ms = eventually(
         lambda: (
-            (m := admin.get(ms_path(ns, "deepseek-v3-2n")))
-            and condition_of(m, "Ready")["reason"] == "InvalidSpec"
+            (m := admin.get(ms_path(ns, name)))
+            and condition_of(m, "Ready")["reason"] == "LeaderWorkerSetMissing"
             and m
         )
     )
     message = condition_of(ms, "Degraded")["message"]
-    assert message.startswith("spec.parallelism.nodes: 2 asks for a multi-node engine"), message
+    assert "install the LeaderWorkerSet controller" in message, message
+    assert "lws/releases/download/v0.10.0/manifests.yaml" in message
+    assert condition_of(ms, "Degraded")["status"] == "True"
     assert children(admin, ns) == {}
+
+    def warnings() -> list[str]:
+        return sorted(e[1] for e in events(admin, ns, name) if e[0] == "Warning")
+
+    # One Warning (checked again at the end: not one per recheck).
+    assert eventually(lambda: warnings() == ["LeaderWorkerSetMissing"])
+
+    cluster.kubectl("create", "-f", str(LWS_CRD))
+    lws_url = path("leaderworkerset.x-k8s.io/v1", "leaderworkersets", ns, f"{name}-engine-lws")
+    lws = eventually(lambda: admin.get(lws_url), timeout=45)
+    assert lws["metadata"]["ownerReferences"][0]["kind"] == "ModelServer"
+    assert lws["spec"]["leaderWorkerTemplate"]["size"] == 2
+    owned = children(admin, ns)
+    assert not [k for k in owned if k.startswith("deployments/")]
+    selector = owned["services/deepseek-v3-2n-engine-pods"]["spec"]["selector"]
+    assert selector["leaderworkerset.sigs.k8s.io/worker-index"] == "0"
+    assert "status" not in lws or not lws["status"].get("readyReplicas")
+    starting = eventually(
+        lambda: (
+            (m := admin.get(ms_path(ns, name)))
+            and condition_of(m, "Ready")["reason"] == "Starting"
+            and m
+        )
+    )
+    assert condition_of(starting, "Degraded")["status"] == "False"
+
+    group_ready = {
+        "observedGeneration": lws["metadata"]["generation"],
+        "replicas": 1,
+        "readyReplicas": 1,
+        "updatedReplicas": 1,
+    }
+    admin.patch(lws_url + "/status", {"status": group_ready})
+    ready = eventually(
+        lambda: (
+            (m := admin.get(ms_path(ns, name)))
+            and condition_of(m, "Ready")["status"] == "True"
+            and m
+        )
+    )
+    assert ready["status"]["readyReplicas"] == 1
+    # ... and, once applied, 1.20's skipped PodDisruptionBudget.
+    assert warnings() == ["APINotServed", "LeaderWorkerSetMissing"]
+
+    # Back to one node (8 ranks on one pod): the LeaderWorkerSet goes, a Deployment comes,
+    # and the Services select its pods again (they carry no worker index).
+    one_node = {"nodes": 1, "data": 8, "dataLocal": None}
+    admin.patch(ms_path(ns, name), {"spec": {"parallelism": one_node}})
+    eventually(lambda: admin.get(lws_url) is None and deployment(admin, ns, f"{name}-engine"))
+    eventually(
+        lambda: (
+            "leaderworkerset.sigs.k8s.io/worker-index"
+            not in children(admin, ns)["services/deepseek-v3-2n-engine-pods"]["spec"]["selector"]
+        )
+    )
+
+    example = load_example("gpu/moe-two-nodes.yaml")
+    example["metadata"]["name"] = "dry-run"
+    rendered = render_modelserver(example)
+    for obj in rendered:
+        obj["metadata"]["namespace"] = ns
+    kinds = {o["kind"] for o in rendered}
+    assert "LeaderWorkerSet" in kinds
+    served = [o for o in rendered if o["kind"] != "PodDisruptionBudget"]  # 1.20: no policy/v1
+    out = subprocess.run(
+        ["kubectl", "--kubeconfig", str(cluster.kubeconfig), "create", "--dry-run=server",
+         "-o", "name", "-f", "-"],
+        input=yaml.safe_dump_all(served),
+        capture_output=True,
+        text=True,
+        check=False,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "leaderworkerset.leaderworkerset.x-k8s.io/dry-run-engine-lws" in out.stdout
 
 
 def test_a_pod_template_reaches_the_engine_pods_and_its_conflicts_are_one_warning(
@@ -653,6 +740,56 @@ def test_modelserver_gets_a_generated_engine_key_its_session_servers_share(
         lambda: (admin.get(ss_path(ns, "rollouts")).get("status") or {}).get("policy")
     )
     assert policy["summary"] == "unknown" and policy["message"], policy
+
+
+def test_an_sglang_modelserver_runs_sglang_and_can_switch_kinds_in_place(
+    admin: Api, ns: str, operator: OperatorProcess
+) -> None:
+    """examples/gpu/sglang-moe-dp8-ep.yaml: the Deployment runs SGLang's server behind the
+    generated engine key and its SessionServer is told to speak SGLang; switched to vllm in
+    place, the same Deployment (its selector cannot change) runs vLLM and the SessionServer
+    follows; what SGLang cannot run (gpus 0) is refused and leaves the engine as it was."""
+    create_example(admin, ns, "gpu/sglang-moe-dp8-ep.yaml")
+    create_example(admin, ns, "sessionserver.yaml", modelServerRef={"name": "deepseek-v3-sglang"})
+    name = "deepseek-v3-sglang"
+    config_url = path("v1", "configmaps", ns, "rollouts-sessions-config")
+
+    def engine_container() -> dict[str, Any] | None:
+        found = deployment(admin, ns, f"{name}-engine")
+        return found and found["spec"]["template"]["spec"]["containers"][0]
+
+    container = eventually(engine_container)
+    assert container["name"] == "sglang"
+    assert container["command"] == ["python3", "-m", "sglang.launch_server"]
+    args = container["args"]
+    assert args[args.index("--api-key") + 1] == "$(TOKENKEEP_ENGINE_KEY)"
+    key_ref = {"name": f"{name}-engine-key", "key": "engine-key"}
+    key_env = next(e for e in container["env"] if e["name"] == "TOKENKEEP_ENGINE_KEY")
+    assert key_env["valueFrom"]["secretKeyRef"] == key_ref
+    eventually(lambda: admin.get(path("v1", "secrets", ns, f"{name}-engine-key")))
+    kind = eventually(
+        lambda: (admin.get(config_url) or {}).get("data", {}).get("TOKENKEEP_ENGINE_KIND")
+    )
+    assert kind == "sglang"
+
+    admin.patch(ms_path(ns, name), {"spec": {"engine": {"kind": "vllm"}}})
+    eventually(lambda: engine_container()["name"] == "vllm")
+    assert "tokenkeep_vllm.EngineKey" in engine_container()["args"]
+    eventually(lambda: admin.get(config_url)["data"]["TOKENKEEP_ENGINE_KIND"] == "vllm")
+
+    admin.patch(
+        ms_path(ns, name), {"spec": {"engine": {"kind": "sglang"}, "resources": {"gpus": 0}}}
+    )
+    ms = eventually(
+        lambda: (
+            (m := admin.get(ms_path(ns, name)))
+            and condition_of(m, "Ready")["reason"] == "InvalidSpec"
+            and m
+        )
+    )
+    message = condition_of(ms, "Degraded")["message"]
+    assert message.startswith("spec.resources.gpus: 0 with engine.kind sglang"), message
+    assert engine_container()["name"] == "vllm"
 
 
 def test_a_forbidden_lease_is_an_error_not_a_standby(

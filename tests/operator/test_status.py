@@ -323,7 +323,11 @@ def test_the_operator_asks_the_session_servers_service_with_the_admin_key() -> N
     spec = SessionServerSpec.model_validate({"modelServerRef": {"name": "m"}})
     kube = FakeKube(_secret("rollouts-admin-key", "admin-key", "s3cret"))
     reconciler, asked = _reconciler(kube, (200, POLICY))
-    assert reconciler.published_policy("rl", "rollouts", spec, ready=1)["summary"] == "12 (1/2)"
+    assert reconciler.published_policy("rl", "rollouts", spec, ready=1) == (
+        st.policy_status(POLICY),
+        POLICY,
+    )
+    assert st.policy_status(POLICY)["summary"] == "12 (1/2)"
     assert asked == [("http://rollouts-sessions.rl.svc:8000/policy", "s3cret")]
     # A named admin key Secret is the one read.
     named = SessionServerSpec.model_validate(
@@ -334,7 +338,11 @@ def test_the_operator_asks_the_session_servers_service_with_the_admin_key() -> N
     assert asked[0][1] == "other"
 
     def policy(kube: Any, answer: Any, ready: int = 1) -> dict[str, Any]:
-        return _reconciler(kube, answer)[0].published_policy("rl", "rollouts", spec, ready)
+        status, answered = _reconciler(kube, answer)[0].published_policy(
+            "rl", "rollouts", spec, ready
+        )
+        assert answered is None  # no conditions are read from an answer that is not one
+        return status
 
     # Nothing asked of a server with no ready replica.
     assert policy(kube, AssertionError("asked"), ready=0)["summary"] == "unknown"
@@ -411,3 +419,43 @@ def test_ask_policy_over_http() -> None:
         port = unused.getsockname()[1]
     with pytest.raises(OSError):
         ask_policy(f"http://127.0.0.1:{port}/policy", "k")
+
+
+def test_tokenizer_and_store_conditions_from_the_servers_answer() -> None:
+    """What the session server's GET /policy says of its engines' tokenizers and its store
+    becomes the SessionServer's TokenizerMismatch and StoreFull conditions (status.policy
+    no longer counts a replica whose tokenizer differs as serving)."""
+    mismatch = "mismatch: the engine's tokenizer gives 156 ids for the probe text, ..."
+    answer = {
+        **POLICY,
+        "replicas": [
+            {**POLICY["replicas"][0], "tokenizer": None},
+            {**POLICY["replicas"][0], "engine": "http://10.0.0.3:8000", "tokenizer": mismatch},
+        ],
+        "store": {"used_bytes": 1_000_000_000, "max_bytes": 1_040_000_000, "full_refusals": 3},
+    }
+    tokenizer, store = st.server_conditions(answer, 4)
+    assert (tokenizer["type"], tokenizer["status"], tokenizer["reason"]) == (
+        "TokenizerMismatch",
+        "True",
+        "TokenizerMismatch",
+    )
+    assert tokenizer["message"] == f"http://10.0.0.3:8000: {mismatch}"
+    assert (store["type"], store["status"], store["reason"]) == ("StoreFull", "True", "StoreFull")
+    assert store["message"].startswith(
+        "Redis uses 1000000000 of its maxmemory 1040000000 bytes (96%); 3 writes refused"
+    )
+    assert "redis.managed.maxMemory" in store["message"] and store["observedGeneration"] == 4
+    assert st.policy_status(answer)["summary"] == "12 (1/2)"
+    assert "tokenizer mismatch" in st.policy_status(answer)["message"]
+
+    answer["replicas"][1]["tokenizer"] = None
+    answer["store"] = {"used_bytes": 10, "max_bytes": 1000, "full_refusals": 0}
+    tokenizer, store = st.server_conditions(answer, 4)
+    assert (tokenizer["status"], tokenizer["reason"]) == ("False", "TokenizerMatches")
+    assert (store["status"], store["reason"]) == ("False", "StoreHasRoom")
+    # An older server (no tokenizer field), an unbounded or embedded store: no condition.
+    assert st.server_conditions(POLICY, 4) == []
+    assert st.server_conditions({**POLICY, "store": {"used_bytes": 5, "max_bytes": 0}}, 4) == []
+    assert st.server_conditions({**POLICY, "store": None}, 4) == []
+    assert st.server_conditions(None, 4) == []

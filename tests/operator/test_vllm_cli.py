@@ -20,8 +20,14 @@ from tests.vllm_fixture import skip_if_asked
 
 pytestmark = pytest.mark.vllm
 
+# One vLLM process for every check of this module (importing vLLM takes most of a minute):
+# `parse` command lines through `vllm serve`'s parser; `launch` command lines through
+# EngineArgs.create_engine_config, stopped where it has built the ParallelConfig (the
+# model-shape checks that follow are the real model's, which the tiny stand-in `model` cannot
+# pass): how vLLM 0.32 reads each pod's place in a multi-node group.
 PARSE = """
 import contextlib, io, json, sys
+from vllm.engine import arg_utils
 from vllm.entrypoints.cli.serve import ServeSubcommand
 from vllm.reasoning import ReasoningParserManager
 from vllm.tool_parsers import ToolParserManager
@@ -29,8 +35,9 @@ from vllm.utils.argparse_utils import FlexibleArgumentParser
 
 parser = FlexibleArgumentParser(prog="vllm")
 ServeSubcommand().subparser_init(parser.add_subparsers(dest="subparser"))
+request = json.load(sys.stdin)
 parsed = []
-for command in json.load(sys.stdin):
+for command in request["parse"]:
     errors = io.StringIO()
     try:
         with contextlib.redirect_stderr(errors):
@@ -43,8 +50,36 @@ for command in json.load(sys.stdin):
         "data_parallel_size", "data_parallel_size_local", "enable_expert_parallel",
         "tool_call_parser", "enable_auto_tool_choice", "reasoning_parser",
         "middleware", "worker_extension_cls")})
+
+class Built(Exception):
+    pass
+
+def stop_at_vllm_config(**kwargs):
+    raise Built(kwargs["parallel_config"])
+
+arg_utils.VllmConfig = stop_at_vllm_config  # after the parser, which reads its fields
+launched = []
+for command in request["launch"]:
+    args = parser.parse_args(command[1:])
+    args.model = request["model"]
+    try:
+        arg_utils.EngineArgs.from_cli_args(args).create_engine_config(headless=args.headless)
+    except Built as built:
+        config = built.args[0]
+    launched.append({
+        "headless": args.headless,
+        "world": config.world_size,
+        "data_parallel_rank": config.data_parallel_rank,
+        "data_parallel_size_local": config.data_parallel_size_local,
+        "data_parallel_address": config.data_parallel_master_ip,
+        "data_parallel_rpc_port": config.data_parallel_rpc_port,
+        "master": f"{config.master_addr}:{config.master_port}",
+        "nodes_per_rank": config.nnodes_within_dp,
+        "node_in_rank": config.node_rank_within_dp,
+    })
 print(json.dumps({
     "parsed": parsed,
+    "launched": launched,
     "tool_parsers": list(ToolParserManager.list_registered()),
     "reasoning_parsers": list(ReasoningParserManager.list_registered()),
 }))
@@ -56,7 +91,9 @@ def _engine_containers() -> list[dict[str, Any]]:
     for render in SCENARIOS.values():
         for obj in render():
             if obj["kind"] == "Deployment" and obj["metadata"]["name"].endswith("-engine"):
-                containers.append(obj["spec"]["template"]["spec"]["containers"][0])
+                container = obj["spec"]["template"]["spec"]["containers"][0]
+                if container["name"] == "vllm":  # SGLang's: tests/operator/test_sglang.py
+                    containers.append(container)
     return containers
 
 
@@ -67,29 +104,59 @@ def _engine_commands() -> list[list[str]]:
 MALFORMED = ["vllm", "serve", "m", "--no-such-flag"]
 
 
-def _parse_with_vllm(commands: list[list[str]]) -> dict[str, Any]:
+LEADER_ADDRESS = "ds-engine-lws-0.ds-engine-lws.ns"
+TWO_NODE_SCENARIOS = ("gpu-moe-two-nodes", "modelserver-two-node-pipeline")
+
+
+def _group_commands(scenario: str) -> list[list[str]]:
+    """The leader's and the worker's command lines of a two-node scenario, with the
+    variables the LWS webhook injects expanded as the kubelet would (worker index 1)."""
+    from tokenkeep_operator.manifests import engine
+
+    (lws,) = [o for o in SCENARIOS[scenario]() if o["kind"] == "LeaderWorkerSet"]
+    values = {engine.LEADER_ADDRESS_VARIABLE: LEADER_ADDRESS}
+    commands = []
+    for role, index in (("leaderTemplate", "0"), ("workerTemplate", "1")):
+        container = lws["spec"]["leaderWorkerTemplate"][role]["spec"]["containers"][0]
+        values[engine.WORKER_INDEX_VARIABLE] = index
+        line = container["command"] + container["args"]
+        for name, value in values.items():
+            line = [part.replace(f"$({name})", value) for part in line]
+        commands.append(line)
+    return commands
+
+
+@pytest.fixture(scope="module")
+def vllm_read() -> dict[str, Any]:
+    """What vLLM made of the rendered single-node lines (and one malformed line), and of the
+    leader's and the worker's line of each two-node scenario."""
+    skip_if_asked()
+    request = {
+        "parse": [*_engine_commands(), MALFORMED],
+        "launch": [line for s in TWO_NODE_SCENARIOS for line in _group_commands(s)],
+        "model": str(localengine.model_dir()),
+    }
     python = localengine.install()  # cached: `make engine` installed it
     done = subprocess.run(
         [str(python), "-I", "-c", PARSE],
-        input=json.dumps(commands),
+        input=json.dumps(request),
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
     )
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_vllm_accepts_the_rendered_command_lines() -> None:
-    skip_if_asked()
+def test_vllm_accepts_the_rendered_command_lines(vllm_read: dict[str, Any]) -> None:
     containers = _engine_containers()
     commands = _engine_commands()
     # examples/ (GPU), a pvc:// model, examples/cpu/, examples/gpu/, a pod template
     assert len(commands) == 8
     assert all(command[:2] == ["vllm", "serve"] for command in commands)
     # One malformed line alongside shows the check can fail (vLLM refuses unknown flags).
-    result = _parse_with_vllm([*commands, MALFORMED])
+    result = vllm_read
     *parsed, malformed = result["parsed"]
     assert "--no-such-flag" in malformed["error"]
     shapes = set()
@@ -126,25 +193,37 @@ def test_vllm_accepts_the_rendered_command_lines() -> None:
     assert {(4, 1, 1, False), (1, 2, 1, False), (1, 1, 8, True)} <= shapes
 
 
-def test_vllm_knows_the_multi_node_flags_parallelism_nodes_will_need() -> None:
-    """Multi-node engines are not rendered yet (parallelism.nodes must be 1); the flags the
-    LeaderWorkerSet engine will pass exist in this vLLM (0.32) and mean what the design
-    assumes: 16 data-parallel ranks, 8 on this node, starting at rank 8, a headless worker."""
-    skip_if_asked()
-    worker = [
-        "vllm", "serve", "m",
-        "--data-parallel-size", "16",
-        "--data-parallel-size-local", "8",
-        "--data-parallel-start-rank", "8",
-        "--data-parallel-address", "leader.example",
-        "--data-parallel-rpc-port", "13345",
-        "--enable-expert-parallel",
-        "--headless",
-    ]  # fmt: skip
-    (args,) = _parse_with_vllm([worker])["parsed"]
-    assert "error" not in args, args
-    assert (args["data_parallel_size"], args["data_parallel_size_local"]) == (16, 8)
-    assert args["enable_expert_parallel"] is True
+def test_vllm_reads_each_pod_of_a_two_node_group_as_the_launch_intends(
+    vllm_read: dict[str, Any],
+) -> None:
+    """vLLM 0.32's own config code, given the rendered leader and worker lines: DP + EP
+    (16 ranks, 8 per node) puts ranks 0-7 behind the leader's API and 8-15 on the headless
+    worker, which hands-shakes at the leader's address; tensor 8 x pipeline 2 spans both
+    nodes in one torch.distributed world at the leader's master address, the worker its
+    second node (vLLM's headless multiproc executor)."""
+    leader = LEADER_ADDRESS
+    moe_leader, moe_worker, dense_leader, dense_worker = vllm_read["launched"]
+    master = f"{leader}:29501"
+    for pod, rank, headless in ((moe_leader, 0, False), (moe_worker, 8, True)):
+        assert pod == {
+            "headless": headless,
+            "world": 1,  # each data-parallel rank: tensor 1 x pipeline 1
+            "data_parallel_rank": rank,
+            "data_parallel_size_local": 8,
+            "data_parallel_address": leader,
+            "data_parallel_rpc_port": 29550,
+            "master": master,
+            "nodes_per_rank": 1,
+            "node_in_rank": 0,  # a worker node runs whole ranks (headless DP engines)
+        }
+    for pod, node, headless in ((dense_leader, 0, False), (dense_worker, 1, True)):
+        assert {k: pod[k] for k in ("headless", "world", "master", "nodes_per_rank")} == {
+            "headless": headless,
+            "world": 16,
+            "master": master,
+            "nodes_per_rank": 2,
+        }
+        assert (pod["data_parallel_rank"], pod["node_in_rank"]) == (0, node)
 
 
 def test_the_engines_python_imports_what_the_pod_names_from_its_pythonpath(

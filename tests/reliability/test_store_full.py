@@ -2,7 +2,9 @@
 `maxmemory`, `noeviction` and a password (given apart from the URL, as the operator does).
 Once Redis is full a turn is refused with a clean, retryable 503 in its API's shape, every
 turn acknowledged before is still there, the server stays ready, /metrics says how full Redis
-is and how many writes it refused, and turns are served again once memory is freed."""
+is and how many writes it refused (and GET /policy, which the operator reads, gives it the
+numbers for the SessionServer's StoreFull condition), and turns are served again once memory
+is freed."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import redis
 from tests.engine_double import EngineDouble, ScriptedCompletion, running_doubles
 from tests.redis_server import start_redis_server, stop_redis_server
 from tests.security.conftest import ADMIN_KEY, OK_REPLY, LiveServer, start_server, stop_server
+from tokenkeep_operator.status import server_conditions
 
 PASSWORD = "p" * 32
 MAXMEMORY = 8 * 1024 * 1024
@@ -129,11 +132,15 @@ def test_full_redis_refuses_turns_cleanly_and_loses_nothing_acknowledged(
     assert httpx.get(f"{server.url}/readyz", timeout=5).status_code == 200
     with server.admin() as admin:
         metrics = admin.get("/metrics").text
+        policy = admin.get("/policy").json()  # what the operator polls for its status
         trajectory = admin.get(f"/sessions/{acknowledged[0]}/trajectory")
     assert trajectory.status_code == 200, trajectory.text  # reading still works while full
     assert _metric(metrics, "tokenkeep_store_max_memory_bytes") == MAXMEMORY
     assert _metric(metrics, "tokenkeep_store_used_memory_bytes") > MAXMEMORY * 0.9
     assert _metric(metrics, "tokenkeep_store_full_refusals_total") >= 2
+    [store_full] = [c for c in server_conditions(policy, 1) if c["type"] == "StoreFull"]
+    assert (store_full["status"], store_full["reason"]) == ("True", "StoreFull")
+    assert f"of its maxmemory {MAXMEMORY} bytes" in store_full["message"]
 
     # Memory freed (sessions exported and deleted, or a bigger maxmemory).
     direct.delete(*(f"ballast{i}" for i in range(ballast)))
@@ -142,5 +149,9 @@ def test_full_redis_refuses_turns_cleanly_and_loses_nothing_acknowledged(
         assert time.monotonic() < deadline, again.text
         time.sleep(0.2)
     assert server.turns(refused_session) == 1
+    with server.admin() as admin:
+        policy = admin.get("/policy").json()
+    [store_full] = [c for c in server_conditions(policy, 1) if c["type"] == "StoreFull"]
+    assert (store_full["status"], store_full["reason"]) == ("False", "StoreHasRoom")
     for session_id in acknowledged:
         assert server.turns(session_id) == 1

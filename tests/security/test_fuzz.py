@@ -4,8 +4,9 @@ Hypothesis mutates a valid request of each endpoint (a field replaced by arbitra
 field dropped or added, a body that is not JSON at all; values include integers past 64
 bits, Infinity and NaN, and nesting thousands deep) and sends it with a credential drawn
 from every role (none, wrong, `tk-<id>`, the session's key, the admin key). The server must
-never answer 5xx, every error must be JSON, and a refused request must leave the session it
-named exactly as it was. Bounded by a time budget (FUZZ_SECONDS) as well as an example count.
+never answer 5xx, every error must be JSON, a refused request must leave the session it
+named exactly as it was, and /healthz must answer within 100 ms throughout. Bounded by a time
+budget (FUZZ_SECONDS) as well as an example count.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.security.conftest import LiveServer
+from tests.security.conftest import LiveServer, assert_responsive, health_watch
 
 FUZZ_SECONDS = float(os.environ.get("TOKENKEEP_FUZZ_SECONDS", "45"))
 SESSION = "fuzz"
@@ -152,8 +153,9 @@ def test_no_endpoint_answers_5xx_or_changes_a_session_it_refuses(target: LiveSer
             assert response.headers["content-type"].startswith("application/json")
             assert turns[-1] == turns[-2], (method, path, body, response.text)
 
-    with client:
+    with client, health_watch(target) as health:
         fuzz()
+    assert_responsive(health)
     print(f"fuzz: {sum(seen.values())} requests in {FUZZ_SECONDS:.0f} s, by status {seen}")
     assert any(status < 300 for status in seen), seen
     assert any(400 <= status < 500 for status in seen), seen

@@ -15,7 +15,14 @@ import httpx
 import pytest
 
 from tests.engine_double import EngineDouble, ScriptedCompletion
-from tests.security.conftest import ADMIN_KEY, LiveServer, start_server, stop_server
+from tests.security.conftest import (
+    ADMIN_KEY,
+    LiveServer,
+    assert_responsive,
+    health_watch,
+    start_server,
+    stop_server,
+)
 
 SESSION = "inputs"
 USER = [{"role": "user", "content": "hi"}]
@@ -49,6 +56,18 @@ def server(
         yield live
     finally:
         stop_server(live)
+
+
+@pytest.fixture(autouse=True)
+def responsive(request: pytest.FixtureRequest) -> Iterator[None]:
+    """/healthz answers within 100 ms while each unclean input is answered (by the tests of
+    the shared `server`: asking for it here would run every other test once per store)."""
+    if "server" not in request.fixturenames:
+        yield
+        return
+    with health_watch(request.getfixturevalue("server")) as health:
+        yield
+    assert_responsive(health)
 
 
 def _snapshot(server: LiveServer, session_id: str = SESSION) -> Any:

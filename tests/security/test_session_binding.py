@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -224,33 +224,53 @@ def test_a_finished_rollout_takes_no_more_turns(
     assert _trajectory(server, session_id) == at_finish
 
 
+def _in_flight(
+    server: LiveServer, double: EngineDouble, session_id: str, key: str
+) -> Callable[[], httpx.Response]:
+    """A turn of the session sent from a thread; returns once the engine has it (the caller
+    has made the double slow), with the function that waits for its answer."""
+    sent = len(double.requests)
+    pending = in_thread(
+        lambda: httpx.post(
+            f"{server.url}/sessions/{session_id}/v1/chat/completions",
+            json=chat_body("again"),
+            headers={"authorization": f"Bearer {key}"},
+            timeout=30,
+        )
+    )
+    deadline = time.monotonic() + 10
+    while len(double.requests) == sent and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return pending
+
+
+def _while_in_flight(
+    server: LiveServer, double: EngineDouble, session_id: str, path: str, body: dict[str, Any]
+) -> tuple[httpx.Response, Any, httpx.Response]:
+    """A session with one stored turn and a second in flight (the double made slow): the
+    admin's `POST /sessions/{id}/{path}` meanwhile. Returns its answer, the trajectory just
+    after it, and the in-flight turn's answer."""
+    key = server.create(session_id)
+    assert _turn(server, session_id, key).status_code == 200
+    double.latency_s = 3.0
+    try:
+        pending = _in_flight(server, double, session_id, key)
+        with server.admin() as client:
+            called = client.post(f"/sessions/{session_id}/{path}", json=body)
+        after = _trajectory(server, session_id)
+        return called, after, pending()
+    finally:
+        double.latency_s = 0.0
+
+
 def test_a_turn_in_flight_at_finish_is_cut_and_not_stored(
     pair: tuple[LiveServer, str, str], double: EngineDouble
 ) -> None:
     server, _, _ = pair
     session_id = _sid("inflight")
-    key = server.create(session_id)
-    assert _turn(server, session_id, key).status_code == 200
-    double.latency_s = 3.0
-    try:
-        pending = in_thread(
-            lambda: httpx.post(
-                f"{server.url}/sessions/{session_id}/v1/chat/completions",
-                json=chat_body("again"),
-                headers={"authorization": f"Bearer {key}"},
-                timeout=30,
-            )
-        )
-        deadline = time.monotonic() + 10
-        sent = len(double.requests)
-        while len(double.requests) == sent and time.monotonic() < deadline:
-            time.sleep(0.02)
-        with server.admin() as client:
-            finished = client.post(f"/sessions/{session_id}/finish", json={"reward": 0.5})
-        at_finish = _trajectory(server, session_id)
-        answer = pending()
-    finally:
-        double.latency_s = 0.0
+    finished, at_finish, answer = _while_in_flight(
+        server, double, session_id, "finish", {"reward": 0.5}
+    )
     assert finished.status_code == 200, finished.text
     assert finished.json()["in_flight_cut"] == 1
     assert answer.status_code == 409, answer.text
@@ -262,6 +282,26 @@ def test_a_turn_in_flight_at_finish_is_cut_and_not_stored(
         again = client.post(f"/sessions/{session_id}/abort", json={"finish": True})
         assert again.status_code == 409, again.text
         assert client.post(f"/sessions/{session_id}/finish", json={}).status_code == 409
+    assert _trajectory(server, session_id) == at_finish
+
+
+def test_abort_with_finish_freezes_before_it_cuts(
+    pair: tuple[LiveServer, str, str], double: EngineDouble
+) -> None:
+    """`abort {"finish": true}` is a finish: the turn it cuts is refused like one cut by
+    finish (409, nothing stored). Cutting first stored the cut turn before the freeze, and
+    racing a finish it answered 409 after cutting (issue 33, class 5)."""
+    server, _, _ = pair
+    session_id = _sid("abort-finish")
+    aborted, at_finish, answer = _while_in_flight(
+        server, double, session_id, "abort", {"finish": True}
+    )
+    assert aborted.status_code == 200, aborted.text
+    assert aborted.json()["aborted"] == 1
+    assert aborted.json()["finish"]["status"] == "aborted"
+    assert answer.status_code == 409, answer.text
+    assert "finished" in answer.text
+    assert server.turns(session_id) == 1
     assert _trajectory(server, session_id) == at_finish
 
 

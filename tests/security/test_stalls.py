@@ -20,14 +20,20 @@ import pytest
 
 from tests.engine_double import EngineDouble
 from tests.raw_http import connect, read_response
-from tests.security.conftest import LiveServer, chat_body, health_watch, start_server, stop_server
+from tests.security.conftest import (
+    LiveServer,
+    assert_responsive,
+    chat_body,
+    health_watch,
+    start_server,
+    stop_server,
+)
 
 MAX_INFLIGHT = 2
 MAX_QUEUE = 2
 BODY_TIMEOUT_S = 2.0
 KEEP_ALIVE_S = 1.0
 HEADER_TIMEOUT_S = 2.0
-HEALTHZ_BOUND_S = 0.1
 
 
 @pytest.fixture(scope="module")
@@ -47,11 +53,6 @@ def tight(tmp_path_factory: pytest.TempPathFactory, double: EngineDouble) -> Ite
         yield server
     finally:
         stop_server(server)
-
-
-def _responsive(health: list[float | None]) -> None:
-    assert health, "no /healthz poll was answered"
-    assert all(t is not None and t < HEALTHZ_BOUND_S for t in health), health
 
 
 def _head(path: str, length: int) -> bytes:
@@ -92,7 +93,7 @@ def test_slow_bodies_beyond_the_admission_bound_do_not_block_a_turn(tight: LiveS
     assert response.status_code == 200, response.text
     # Answered while every slow body was still being waited for (before its timeout).
     assert elapsed < BODY_TIMEOUT_S / 2, elapsed
-    _responsive(health)
+    assert_responsive(health)
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/sessions/stalls/v1/messages"])
@@ -110,15 +111,16 @@ def test_a_body_that_stalls_midway_gets_a_timeout_answer(tight: LiveServer, path
     # In the API's own shape: Anthropic's names its type, OpenAI's carries a code.
     assert ("messages" in path) == (json.loads(raw).get("type") == "error")
     assert BODY_TIMEOUT_S - 0.5 < elapsed < BODY_TIMEOUT_S + 2, elapsed
-    _responsive(health)
+    assert_responsive(health)
 
 
 def test_idle_keep_alive_connections_are_closed(tight: LiveServer) -> None:
-    with connect(tight.url) as sock:
+    with health_watch(tight) as health, connect(tight.url) as sock:
         sock.sendall(b"GET /healthz HTTP/1.1\r\nhost: t\r\n\r\n")
         status, _headers, _raw = read_response(sock)
         assert status == 200
         assert _closed_within(sock, KEEP_ALIVE_S + 2)
+    assert_responsive(health)
 
 
 @pytest.mark.parametrize("sent", [b"", b"GET /healthz HTTP/1.1\r\nhost: t\r\n"])
@@ -128,7 +130,21 @@ def test_connections_that_never_finish_their_headers_are_closed(
     with health_watch(tight) as health, connect(tight.url) as sock:
         sock.sendall(sent)
         assert _closed_within(sock, HEADER_TIMEOUT_S + 2)
-    _responsive(health)
+    assert_responsive(health)
+
+
+def test_headers_past_the_bound_close_the_connection_at_once(tight: LiveServer) -> None:
+    """A request head that keeps growing is cut at --max-header-bytes (64 KiB by default), not
+    buffered until the header timeout."""
+    head = b"GET /healthz HTTP/1.1\r\nhost: t\r\nx-pad: " + b"a" * (80 << 10)
+    with health_watch(tight) as health, connect(tight.url) as sock:
+        started = time.monotonic()
+        with contextlib.suppress(ConnectionError):  # closed while it was still sending
+            sock.sendall(head)
+        assert _closed_within(sock, HEADER_TIMEOUT_S + 2)
+        elapsed = time.monotonic() - started
+    assert elapsed < HEADER_TIMEOUT_S / 2, elapsed  # the byte bound, not the timeout
+    assert_responsive(health)
 
 
 # --- a client that hangs up -------------------------------------------------------------
@@ -166,7 +182,7 @@ def test_a_non_streamed_client_that_hangs_up_frees_its_slot_and_its_engine_reque
     assert double.requests_cancelled == cancelled + 1
     assert _inflight(tight) == 0
     assert freed < 1.0, freed  # not when the engine would have answered (5 s)
-    _responsive(health)
+    assert_responsive(health)
 
 
 # --- images -----------------------------------------------------------------------------
@@ -227,7 +243,7 @@ def test_a_decompression_bomb_png_is_refused_from_its_header(
     assert response.status_code == 400, response.text
     assert reason in response.json()["error"]["message"]
     assert elapsed < 0.5, elapsed
-    _responsive(health)
+    assert_responsive(health)
 
 
 def test_many_images_for_a_text_only_model_are_refused_before_decoding(
@@ -241,7 +257,18 @@ def test_many_images_for_a_text_only_model_are_refused_before_decoding(
     assert response.status_code == 400, response.text
     assert "takes no images (text-only)" in response.json()["error"]["message"]
     assert elapsed < 0.5, elapsed
-    _responsive(health)
+    assert_responsive(health)
+
+
+def test_more_images_than_the_bound_are_refused_before_any_is_decoded(
+    tight: LiveServer,
+) -> None:
+    pngs = [_blank_png(64, 64 + k) for k in range(65)]
+    with health_watch(tight) as health:
+        response, _elapsed = _post_timed(tight, _with_images(*pngs))
+    assert response.status_code == 400, response.text
+    assert "65 images in one request; at most 64" in response.json()["error"]["message"]
+    assert_responsive(health)
 
 
 # --- tools --------------------------------------------------------------------------------
@@ -265,4 +292,4 @@ def test_tools_count_against_the_text_limit(tight: LiveServer) -> None:
     error = response.json()["error"]
     assert "characters cannot fit the model's context" in error["message"]
     assert elapsed < 0.5, elapsed
-    _responsive(health)
+    assert_responsive(health)

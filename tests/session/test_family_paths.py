@@ -38,6 +38,10 @@ from tests.real_tokenizers import (
     offline_counter_dir,
     qwen3_dir,
 )
+from tests.session.test_shared_tokens import (
+    assert_cuts_tokenize_as_the_whole_text,
+    assert_shared_render_is_fresh,
+)
 from tests.suffix_reference import assert_suffix
 
 # folder, the renderer auto must pick, whether new messages are rendered by the template
@@ -86,6 +90,16 @@ def test_auto_picks_the_family_renderer_and_says_why(family: tuple[str, ChatMode
             assert "reasoning parsed between the template's markers" in model.path.reason
     else:
         assert f"renderer {renderer!r} parses the template's tool call" in model.path.reason
+
+
+def test_a_shared_prompt_is_what_a_fresh_render_gives(family: tuple[str, ChatModel]) -> None:
+    assert_shared_render_is_fresh(family[1])
+
+
+def test_text_cut_at_special_tokens_tokenizes_as_the_whole(
+    family: tuple[str, ChatModel],
+) -> None:
+    assert_cuts_tokenize_as_the_whole_text(family[1].tokenizer)
 
 
 def test_three_turn_tool_loop_on_every_api(family: tuple[str, ChatModel]) -> None:

@@ -1,6 +1,7 @@
 """`tool_choice` "required" and a named tool are enforced in token space: the engine request
 carries a structured-output constraint in the family's own tool-call syntax (a structural
-tag for Qwen3/Hermes `<tool_call>` blocks, a JSON schema for Llama 3's bare JSON calls), on
+tag for Qwen3/Hermes `<tool_call>` blocks and Gemma 4's `<|tool_call>call:..` blocks, a JSON
+schema for Llama 3's bare JSON calls), on
 Chat Completions, Responses and Messages; where the syntax is unknown the request is a 400
 with the reason and nothing is stored. Syntaxes learned from the template are enforced too
 (tests/session/test_toolsyntax.py). The real engine applying it is in
@@ -18,8 +19,9 @@ import openai
 import pytest
 
 from session_server.check import load_model
+from session_server.splice import ChatModel
 from tests.engine_double import EngineDouble, ScriptedCompletion
-from tests.real_tokenizers import unlearnable_dir
+from tests.real_tokenizers import gemma4_dir, unlearnable_dir
 from tests.session.adversarial import TOOLS
 from tests.session.reply_corpus import CORPUS
 from tests.session.test_stream_equivalence import (
@@ -141,3 +143,67 @@ async def test_named_tool_must_exist(double: EngineDouble) -> None:
     async with serving(family("qwen3"), double) as http:
         with pytest.raises(openai.BadRequestError, match="not among the tools"):
             await ask(http, "chat", "missing", {"type": "function", "function": {"name": "nope"}})
+
+
+@pytest.fixture(scope="module")
+def gemma4() -> ChatModel:
+    return load_model(str(gemma4_dir()))
+
+
+@pytest.fixture(scope="module")
+def gemma4_double(gemma4: ChatModel) -> Iterator[EngineDouble]:
+    engine = EngineDouble(vocab_size=len(gemma4.tokenizer.get_vocab())).start()
+    yield engine
+    engine.stop()
+
+
+@pytest.mark.parametrize("api", list(CHOICES))
+async def test_gemma4_required_and_named_are_its_own_call_syntax(
+    gemma4_double: EngineDouble, gemma4: ChatModel, api: str
+) -> None:
+    """Gemma 4 on `auto` (the `gemma4` family): the constraint is a structural tag of its
+    `<|tool_call>call:NAME{...}<tool_call|>` blocks (markers as its tokens), and the call it
+    forces reaches each API as a call. That vLLM's own xgrammar accepts the template's calls
+    under it, and refuses others: tests/integration/test_tool_choice_vllm.py."""
+    required, named = CHOICES[api]
+    vocab = gemma4.tokenizer.get_vocab()
+    call = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|><|tool_response>'
+    async with serving(gemma4, gemma4_double) as http:
+        for choice, tools in ((required, ["get_weather", "calc"]), (named, ["calc"])):
+            gemma4_double.script(ScriptedCompletion(gemma4.encode(call)))
+            answer = await ask(http, api, f"g4-{uuid.uuid4().hex[:8]}", choice)
+            assert called(api, answer) == ["get_weather"]
+            constraint = gemma4_double.requests[-1].sampling["structured_outputs"]
+            tag = json.loads(constraint["structural_tag"])["format"]
+            assert tag["type"] == "tags_with_separator" and tag["at_least_one"]
+            assert tag["stop_after_first"] == (tools == ["calc"])
+            for t, tool in zip(tag["tags"], tools, strict=True):
+                assert t["begin"] == {"type": "token", "token": vocab["<|tool_call>"]}
+                assert t["end"] == {"type": "token", "token": vocab["<tool_call|>"]}
+                head, arguments = t["content"]["elements"]
+                assert head == {"type": "const_string", "value": f"call:{tool}"}
+                assert arguments["elements"][0] == {"type": "const_string", "value": "{"}
+
+
+async def test_session_reasoning_ended_reaches_every_turn_unless_the_request_says(
+    double: EngineDouble,
+) -> None:
+    """`POST /sessions {"reasoning_ended": true}`: a harness that cannot add `extra_body` gets
+    its constraint applied from the first token; a request's own value still wins."""
+    model = family("qwen3")
+    async with serving(model, double) as http:
+        sid = f"re-{uuid.uuid4().hex[:8]}"
+        created = await http.post(f"{BASE}/sessions", json={"id": sid, "reasoning_ended": True})
+        assert created.status_code == 201 and created.json()["reasoning_ended"] is True
+        for extra, sent in (({}, True), ({"reasoning_ended": False}, False)):
+            double.script(ScriptedCompletion(REPLY["tool_json_compact"].completion(model)))
+            client = openai.AsyncOpenAI(api_key="x", base_url=f"{BASE}/sessions/{sid}/v1",
+                                        http_client=http, max_retries=0)  # fmt: skip
+            await client.chat.completions.create(model="m", tools=TOOLS, tool_choice="required",
+                messages=[{"role": "user", "content": "Weather in Paris?"}],
+                extra_body=extra)  # fmt: skip
+            assert double.requests[-1].body.get("reasoning_ended") is sent
+        double.script(ScriptedCompletion(REPLY["bpe_split"].completion(model)))
+        plain = f"plain-{uuid.uuid4().hex[:8]}"
+        await ask(http, "chat", plain, "auto")
+        assert "reasoning_ended" not in double.requests[-1].body

@@ -1,10 +1,12 @@
 """The client's command line: `tokenkeep sessions` and `tokenkeep export`, both built on
 `tokenkeep.Client`, both reaching the server the same way.
 
-`--url` (TOKENKEEP_URL) names the server; `--admin-key` (TOKENKEEP_ADMIN_KEY, the variable the
-server reads its own key from) is the key, where the server has one. `--api-key` and
-TOKENKEEP_API_KEY, the names `tokenkeep export` used first, still work (as the server accepts
-TOKENKEEP_API_KEY for its key).
+`--url` (TOKENKEEP_URL, else the local stack a running `tokenkeep demo` announced in
+`local_stack_file()`, else where `tokenkeep serve` listens by default) names the server;
+`--admin-key` (TOKENKEEP_ADMIN_KEY, the variable the server reads its own key from) is the
+key, where the server has one. `--api-key` and TOKENKEEP_API_KEY, the names
+`tokenkeep export` used first, still work (as the server accepts TOKENKEEP_API_KEY for its
+key).
 
 Every `tokenkeep` command (the server's too: this package imports nothing of the server, so
 the server's commands import from here) reports a mistake the same way: one line on stderr
@@ -14,8 +16,10 @@ that says what is wrong and what to do, exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
+from pathlib import Path
 from typing import Any, NoReturn
 
 import httpx
@@ -70,13 +74,43 @@ def http_url(value: str) -> str:
     return value
 
 
+def counted(count: int, noun: str, plural: str | None = None) -> str:
+    """ "1 turn", "2 turns": a count with its noun in the right number."""
+    return f"{count} {noun if count == 1 else plural or noun + 's'}"
+
+
+def local_stack_file() -> Path:
+    """Where a running `tokenkeep demo` writes its session server's URL (and removes it on
+    exit), so that the other commands find the demo without --url. In tokenkeep's cache
+    folder, as the local engine (`$TOKENKEEP_CACHE_DIR`, default ~/.cache/tokenkeep)."""
+    cache = os.environ.get("TOKENKEEP_CACHE_DIR") or Path.home() / ".cache" / "tokenkeep"
+    return Path(cache) / "local-stack.json"
+
+
+def local_stack_url() -> str | None:
+    """The URL of the local demo that is running now, if one announced itself (a file left
+    by a demo that was killed names a process that is gone: ignored)."""
+    try:
+        stack = json.loads(local_stack_file().read_text())
+        os.kill(int(stack["pid"]), 0)
+        return str(stack["url"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def default_url() -> str:
+    """TOKENKEEP_URL, else the running local demo, else where `tokenkeep serve` listens."""
+    return os.environ.get("TOKENKEEP_URL") or local_stack_url() or DEFAULT_URL
+
+
 def server_arguments(parser: argparse.ArgumentParser) -> None:
     """`--url` and `--admin-key`, defaulting to their environment variables."""
     parser.add_argument(
         "--url",
         type=http_url,
-        default=os.environ.get("TOKENKEEP_URL", DEFAULT_URL),
-        help="the session server (TOKENKEEP_URL; where `tokenkeep serve` listens by default)",
+        default=default_url(),
+        help="the session server (TOKENKEEP_URL; else a running `tokenkeep demo`; else where "
+        "`tokenkeep serve` listens by default)",
     )
     parser.add_argument(
         "--admin-key",
@@ -92,8 +126,8 @@ def unreachable(url: str, exc: httpx.HTTPError) -> str:
     """The line for a server that does not answer: which server, why, and how to name another."""
     reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return (
-        f"cannot reach {url} ({reason}): start `tokenkeep serve` there, or name the server "
-        "with --url or TOKENKEEP_URL"
+        f"cannot reach {url} ({reason}): start `tokenkeep serve` there or `tokenkeep demo` "
+        "(found without --url while it runs), or name the server with --url or TOKENKEEP_URL"
     )
 
 

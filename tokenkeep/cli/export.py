@@ -16,7 +16,7 @@ from typing import Any
 
 import httpx
 
-from tokenkeep.cli import Parser, fail, refused, server_arguments, unreachable
+from tokenkeep.cli import Parser, counted, fail, refused, server_arguments, unreachable
 from tokenkeep.client import Client, TokenkeepError
 from tokenkeep.files import ExportFileError, check_writable, write
 from tokenkeep.types import Row
@@ -102,7 +102,10 @@ def _export(client: Client, args: argparse.Namespace, fmt: str) -> int:
         count = write(rows, args.output, fmt, on_row)
     finally:
         progress.close()
-    print(f"wrote {count} rows of {len(session_ids)} sessions to {args.output}", file=sys.stderr)
+    print(
+        f"wrote {counted(count, 'row')} of {counted(len(session_ids), 'session')} to {args.output}",
+        file=sys.stderr,
+    )
     if args.delete:
         for session_id in session_ids:
             try:
@@ -110,7 +113,7 @@ def _export(client: Client, args: argparse.Namespace, fmt: str) -> int:
             except TokenkeepError as exc:
                 if exc.status != 404:  # gone already (expired): nothing left to delete
                     raise
-        print(f"deleted {len(session_ids)} sessions", file=sys.stderr)
+        print(f"deleted {counted(len(session_ids), 'session')}", file=sys.stderr)
     return 0
 
 

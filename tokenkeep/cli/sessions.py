@@ -1,4 +1,5 @@
-"""`tokenkeep sessions list | show`: a running server's rollouts, in the terminal.
+"""`tokenkeep sessions [list | show ID]`: a running server's rollouts, in the terminal (`list`
+when no command is given). Without --url it finds a running `tokenkeep demo`.
 
 `show` prints each segment of a branch token by token: on a terminal, sampled tokens (loss 1)
 in green, context (loss 0) dimmed, special tokens in magenta, with alternating shades so that
@@ -17,7 +18,7 @@ from typing import Any, TextIO
 
 import httpx
 
-from tokenkeep.cli import Parser, fail, refused, server_arguments, unreachable
+from tokenkeep.cli import Parser, counted, fail, refused, server_arguments, unreachable
 from tokenkeep.client import Client, TokenkeepError
 
 PROG = "tokenkeep sessions"
@@ -32,7 +33,7 @@ _RESET = "\x1b[0m"
 def _parser() -> argparse.ArgumentParser:
     parser = Parser(prog=PROG, description=__doc__)
     server_arguments(parser)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command")
     listing = sub.add_parser("list", help="sessions, newest first")
     listing.add_argument("--limit", type=int, default=50, help="sessions to show")
     listing.add_argument("--offset", type=int, default=0, help="skip this many, newest first")
@@ -69,7 +70,7 @@ def print_list(data: dict[str, Any], out: TextIO) -> None:
             file=out,
         )
     shown = len(data["sessions"])
-    print(f"{shown} of {data['total']} sessions (offset {data['offset']})", file=out)
+    print(f"{shown} of {counted(data['total'], 'session')} (offset {data['offset']})", file=out)
 
 
 def _plain_segment(segment: dict[str, Any]) -> str:
@@ -118,15 +119,20 @@ def print_session(data: dict[str, Any], branch_index: int | None, out: TextIO, t
         print(_coloured_segment(segment) if tty else _plain_segment(segment), file=out)
     sampled = sum(sum(s["loss_mask"]) for s in branch["segments"])
     print(
-        f"session {data['id']} branch {index}/{len(branches) - 1}: {data['turns']} turns, "
-        f"{len(branch['segments'])} segments on this branch, {sampled} sampled tokens, "
+        f"session {data['id']} branch {index}/{len(branches) - 1}: "
+        f"{counted(data['turns'], 'turn')}, "
+        f"{counted(len(branch['segments']), 'segment')} on this branch, "
+        f"{counted(sampled, 'sampled token')}, "
         f"breaks: {_breaks(data['breaks'])}",
         file=out,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # `tokenkeep sessions [--url URL]`: the listing
+        args = parser.parse_args([*(sys.argv[1:] if argv is None else argv), "list"])
     out = sys.stdout
     try:
         with Client(args.url, api_key=args.admin_key) as client:

@@ -66,6 +66,11 @@ OwnerReferencesPermissionEnforcement admission plugin is on (OpenShift has it by
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# Multi-node engines (ModelServer parallelism.nodes > 1): one LeaderWorkerSet each; `delete`
+# also removes one whose ModelServer went back to one node. Harmless where LWS is not installed.
+- apiGroups: ["leaderworkerset.x-k8s.io"]
+  resources: ["leaderworkersets"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # Read-only: pod states explain why a rollout is stuck (missing secret, no GPU, ...).
 - apiGroups: [""]
   resources: ["pods"]

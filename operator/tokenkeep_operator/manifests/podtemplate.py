@@ -97,10 +97,15 @@ def _short(value: Any, limit: int = 80) -> str:
 
 def conflicts(render: Callable[[Any], list[dict[str, Any]]], spec: Any) -> list[str]:
     """The fields of `spec.pod_template` that the operator's own values override, for a
-    `render(spec)` whose last Deployment carries the pod: it is rendered without the override
-    and the override merged into that again (renderings are pure and cheap)."""
+    `render(spec)` whose last Deployment (or LeaderWorkerSet: its leader's pod, whose
+    conflicts its workers share) carries the pod: it is rendered without the override and
+    the override merged into that again (renderings are pure and cheap)."""
     if spec.pod_template == PodTemplate():
         return []
     bare = render(spec.model_copy(update={"pod_template": PodTemplate()}))
-    deployment = next(o for o in reversed(bare) if o["kind"] == "Deployment")
-    return merge_pod(deployment["spec"]["template"], spec.pod_template)[1]
+    workload = next(o for o in reversed(bare) if o["kind"] in {"Deployment", "LeaderWorkerSet"})
+    if workload["kind"] == "LeaderWorkerSet":
+        pod = workload["spec"]["leaderWorkerTemplate"]["leaderTemplate"]
+    else:
+        pod = workload["spec"]["template"]
+    return merge_pod(pod, spec.pod_template)[1]

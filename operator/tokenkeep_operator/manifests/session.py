@@ -89,6 +89,8 @@ def settings(
     named by the server's own settings (ENV_NAMES)."""
     data = {
         ENV_NAMES["engine_urls"]: engine.replicas_url(model_server_name, owner.namespace),
+        # The wire format of the engine the ModelServer runs (vLLM's or SGLang's).
+        ENV_NAMES["engine_kind"]: model_server.engine.kind,
         # The headless Service resolves to every engine pod: one replica each.
         ENV_NAMES["engine_discovery"]: "true",
         ENV_NAMES["model"]: engine.served_model_name(model_server_name, model_server),
@@ -99,6 +101,9 @@ def settings(
         ENV_NAMES["session_ttl_seconds"]: str(spec.session_ttl_seconds),
         "HF_HOME": "/cache/huggingface",
     }
+    if not spec.tokenizer and model_server.model.scheme == "hf" and model_server.model.revision:
+        # The engine loads this revision (engine.py `--revision`): the tokenizer must too.
+        data[ENV_NAMES["tokenizer_revision"]] = model_server.model.revision
     if spec.sampling_overrides:
         data[ENV_NAMES["sampling_overrides"]] = json.dumps(
             spec.sampling_overrides, sort_keys=True, separators=(",", ":")
@@ -169,7 +174,8 @@ def _secret_env(
         env.append(secret_env("HF_TOKEN", ref.name, ref.key))
     engine_key = engine.engine_key_ref(model_server_name, model_server)
     if engine_key:
-        # The engines ask every request but /health for it (tokenkeep_vllm.EngineKey).
+        # The engines ask every request but /health for it (tokenkeep_vllm.EngineKey on
+        # vLLM, --api-key on SGLang).
         env.append(secret_env(ENV_NAMES["engine_key"], engine_key.name, engine_key.key))
     return env
 
@@ -291,7 +297,7 @@ def _tokenizer_copy(model_server: ModelServerSpec) -> dict[str, Any]:
     skip = " ".join(f"! -name '*{suffix}'" for suffix in WEIGHT_SUFFIXES)
     return {
         "name": "tokenizer",
-        "image": model_server.engine.image,
+        "image": model_server.engine.image_or_default,
         "imagePullPolicy": model_server.engine.image_pull_policy,
         "command": [
             "sh",
