@@ -35,6 +35,7 @@ from tests.operator.real_cluster import (
     eventually,
     k8s_dir,
     missing_prerequisites,
+    run_script,
     without_cel,
 )
 
@@ -192,11 +193,11 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     started = time.monotonic()
     try:
         cluster.start()
-        subprocess.run(
+        run_script(
             [str(scripts / "start-node.sh"), str(run_dir)],
-            env={**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "NODE_SERVICES": "1"},
-            check=True, capture_output=True, timeout=300,
-        )  # fmt: skip
+            {**os.environ, "KUBECONFIG": str(cluster.kubeconfig), "NODE_SERVICES": "1"},
+            300,
+        )
         timings["node_start_s"] = time.monotonic() - started
         # `make test` builds them first (make images); cached, so this only checks hashes.
         started = time.monotonic()

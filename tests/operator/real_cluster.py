@@ -43,6 +43,15 @@ RBAC_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "Ro
 MERGE = "application/merge-patch+json"
 
 
+def run_script(args: list[str], env: dict[str, str], timeout: float) -> None:
+    """Run one of shared/k8s's scripts; if it fails, the error carries what it printed (a
+    CalledProcessError would say only its exit status, and CI keeps only the report)."""
+    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        output = (done.stdout + done.stderr)[-4000:]
+        raise AssertionError(f"{' '.join(args)} exited {done.returncode}:\n{output}")
+
+
 def k8s_dir() -> Path | None:
     """The shared folder with the Kubernetes binaries: `$TOKENKEEP_K8S_DIR`, else the nearest
     `shared/k8s` (`session_server.devtools.shared`)."""
@@ -165,13 +174,7 @@ class Cluster:
 
     def start(self) -> None:
         env = {**os.environ, "ADMISSION_PLUGINS": ADMISSION_PLUGINS}
-        subprocess.run(
-            [str(self.scripts / "start-cluster.sh"), str(self.run_dir)],
-            check=True,
-            env=env,
-            capture_output=True,
-            timeout=180,
-        )
+        run_script([str(self.scripts / "start-cluster.sh"), str(self.run_dir)], env, 180)
         config = yaml.safe_load(self.kubeconfig.read_text())
         self.server = config["clusters"][0]["cluster"]["server"]
         self.ca = Path(config["clusters"][0]["cluster"]["certificate-authority"])
