@@ -17,7 +17,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -178,6 +180,28 @@ def remove_kubelet_chains() -> None:
                 subprocess.run([tool, "-t", table, "-X", chain], check=False)
 
 
+def build_images(timeout: float = 3600) -> None:
+    """`make images` (images/build.py), its progress printed as it goes; if it fails, the
+    error carries its last lines (CI keeps the report, not the progress)."""
+    build = subprocess.Popen(
+        [sys.executable, str(REPO_ROOT / "images" / "build.py")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    watchdog = threading.Timer(timeout, build.kill)
+    watchdog.start()
+    last: deque[str] = deque(maxlen=40)
+    try:
+        assert build.stdout is not None
+        for line in build.stdout:
+            print(line, end="", flush=True)
+            last.append(line)
+        code = build.wait()
+    finally:
+        watchdog.cancel()
+    if code != 0:
+        raise AssertionError(f"images/build.py exited {code}:\n{''.join(last)}")
+
+
 @pytest.fixture(scope="module")
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
     """Module scope: in `make test` the node (and whatever a failed step left running on it)
@@ -199,11 +223,9 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
             300,
         )
         timings["node_start_s"] = time.monotonic() - started
-        # `make test` builds them first (make images); cached, so this only checks hashes.
+        # Cached (dist/images/cache): after a first build this only checks hashes.
         started = time.monotonic()
-        subprocess.run(
-            [sys.executable, str(REPO_ROOT / "images" / "build.py")], check=True, timeout=3600
-        )
+        build_images()
         timings["images_s"] = time.monotonic() - started
         listed = json.loads((REPO_ROOT / "dist" / "images" / "images.json").read_text())
         started = time.monotonic()
