@@ -80,9 +80,10 @@ images: $(STAMP) engine node-deps
 
 # tests/cluster (images on a real node, helm install, a harness through a Service) needs
 # `images` (root, mmdebstrap, containerd: node-deps); `make test-cluster` runs it alone.
-# The tiers, then the cluster tier (it builds the images first, cached), then the latency
-# tiers alone (tests/run_all.py).
-test: $(STAMP) engine browser k8s-deps node-deps
+# The images first (cached), while the disk is at its emptiest and where a failed build stops
+# `make` with its own output last; then the tiers, the cluster tier and the latency tiers
+# alone (tests/run_all.py, whose last lines name every test that failed).
+test: $(STAMP) engine browser k8s-deps images
 	$(VENV)/bin/ruff check .
 	$(PY) tests/run_all.py
 

@@ -56,6 +56,22 @@ def missing_node_prerequisites() -> str | None:
     return None
 
 
+def running_nodes() -> list[str]:
+    """The shared/k8s nodes already running on this machine, as 'kubelet PID (its root
+    dir)': there can be one per machine (the bridge tk0, port 10250 on 10.244.0.1, the
+    iptables KUBE-* chains), and a second start-node.sh fails in ways that do not say so."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or not alive(int(proc.name)):
+            continue
+        with contextlib.suppress(OSError):
+            args = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+            if args[0].endswith("/kubelet") and "--hostname-override=tk-node" in args:
+                root = next((a.split("=", 1)[1] for a in args if a.startswith("--root-dir=")), "?")
+                found.append(f"kubelet {proc.name} ({root})")
+    return found
+
+
 @dataclass
 class Node:
     cluster: Cluster
@@ -211,6 +227,12 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
         pytest.skip(problem)
     scripts = k8s_dir()
     assert scripts is not None
+    others = running_nodes()
+    assert not others, (
+        f"a node already runs on this machine ({', '.join(others)}), and there can be one: "
+        "let the run that started it finish, or stop it (shared/k8s/stop-node.sh RUN_DIR, "
+        "then stop-cluster.sh RUN_DIR)"
+    )
     run_dir = tmp_path_factory.mktemp("node")
     timings: dict[str, float] = {}
     cluster = Cluster(run_dir)
