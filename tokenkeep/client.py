@@ -163,14 +163,12 @@ class PolicyTransfer:
 
     def _post(self, path: str, body: dict[str, Any] | None = None) -> Any:
         response = self._http.post(path, json=body)
-        _raise_for(response.status_code, response.content)
-        return response.json() if response.content else None
+        return _answer(response)
 
     def world_size(self) -> int:
         """The trainer's rank 0 plus every engine replica's workers: the group's size."""
         response = self._http.get("/policy/transfer")
-        _raise_for(response.status_code, response.content)
-        answer = response.json()
+        answer = _answer(response)
         if answer["world_size"] is None:
             reasons = [answer.get("reason")] + [r.get("reason") for r in answer["replicas"]]
             raise TokenkeepError(409, "; ".join(r for r in reasons if r))
@@ -304,6 +302,12 @@ def _finished(data: dict[str, Any]) -> list[FinishedSession]:
     ]
 
 
+def _answer(response: httpx.Response) -> Any:
+    """A reply's JSON body (None if it has none), or its error as a TokenkeepError."""
+    _raise_for(response.status_code, response.content)
+    return response.json() if response.content else None
+
+
 def _raise_for(status: int, body: bytes) -> None:
     if status < 400:
         return
@@ -361,8 +365,7 @@ class Client:
             params=call.params,
             timeout=timeout or self._http.timeout,
         )
-        _raise_for(response.status_code, response.content)
-        return response.json() if response.content else None
+        return _answer(response)
 
     def publish_policy(
         self,
@@ -552,8 +555,7 @@ class AsyncClient:
             params=call.params,
             timeout=timeout or self._http.timeout,
         )
-        _raise_for(response.status_code, response.content)
-        return response.json() if response.content else None
+        return _answer(response)
 
     async def publish_policy(
         self,
